@@ -1,0 +1,10 @@
+"""InF-Embed objective `uni_iiq` (univariate over the marginal sets of IIQ).
+
+Presets: `configs/uni_iiq.py` (embedded MiniLM on the synthetic corpus, offline),
+`configs/uni_iiq.py:e5-base-v2` and the other names in infjax.config.PRESETS.
+"""
+from infjax.config import base_config
+
+
+def get_config(arg=None):
+    return base_config("uni_iiq", arg)

@@ -1,0 +1,10 @@
+"""InF-Embed objective `uni_piiq` (univariate over the marginal sets of PIIQ).
+
+Presets: `configs/uni_piiq.py` (embedded MiniLM on the synthetic corpus, offline),
+`configs/uni_piiq.py:e5-base-v2` and the other names in infjax.config.PRESETS.
+"""
+from infjax.config import base_config
+
+
+def get_config(arg=None):
+    return base_config("uni_piiq", arg)

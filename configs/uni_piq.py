@@ -1,0 +1,10 @@
+"""InF-Embed objective `uni_piq` (univariate over the marginal sets of PIQ).
+
+Presets: `configs/uni_piq.py` (embedded MiniLM on the synthetic corpus, offline),
+`configs/uni_piq.py:e5-base-v2` and the other names in infjax.config.PRESETS.
+"""
+from infjax.config import base_config
+
+
+def get_config(arg=None):
+    return base_config("uni_piq", arg)

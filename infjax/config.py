@@ -1,0 +1,174 @@
+"""The shared base configuration, presets, and validation.
+
+Config files under configs/ pick an objective and call `base_config`. Every
+knob has a default and a comment here; `validate` refuses bad values with
+the key named, before anything is loaded or compiled.
+"""
+from __future__ import annotations
+
+import ml_collections
+
+from infjax.losses import OBJECTIVES
+
+EMBEDDED = "embedded:all-MiniLM-L6-v2"
+
+# preset -> overrides. "embedded" is the default: offline, CPU, minutes.
+PRESETS = {
+    "embedded": {
+        "model.checkpoint": EMBEDDED, "model.pooling": "mean",
+        "data.source": "synthetic", "data.query_max_len": 48, "data.passage_max_len": 48,
+        "loss.instruction_negatives": 3,   # fewer encoder passes on a 2-core CPU (default 5)
+        "train.batch_size": 8, "train.steps": 150, "train.learning_rate": 1e-4,
+        "log_every": 10, "checkpoint.every": 50,
+    },
+    # The paper's backbones (SPEC §2.1) on InF-IR; they need the hub or a local copy.
+    "minilm": {"model.checkpoint": "sentence-transformers/all-MiniLM-L6-v2", "model.pooling": "mean"},
+    "e5-base-v2": {"model.checkpoint": "intfloat/e5-base-v2", "model.pooling": "mean",
+                   "data.query_prefix": "query: ", "data.passage_prefix": "passage: "},
+    "e5-large-v2": {"model.checkpoint": "intfloat/e5-large-v2", "model.pooling": "mean",
+                    "data.query_prefix": "query: ", "data.passage_prefix": "passage: "},
+    "bge-base-en-v1.5": {"model.checkpoint": "BAAI/bge-base-en-v1.5", "model.pooling": "cls"},
+    "bge-large-en-v1.5": {"model.checkpoint": "BAAI/bge-large-en-v1.5", "model.pooling": "cls"},
+}
+HUB_DATA = {"data.source": "InF-IR/InF-IR", "data.splits": "msmarco",
+            "data.query_max_len": 256, "data.passage_max_len": 512,
+            "train.batch_size": 32, "train.steps": 0, "train.learning_rate": 5e-5,
+            "model.dtype": "bfloat16"}
+
+
+def base_config(objective: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """The full default config for `objective`, with preset `arg` (default: "embedded") applied."""
+    c = ml_collections.ConfigDict()
+    c.objective = objective            # one of losses.OBJECTIVES (the file name under configs/)
+    c.preset = arg or "embedded"       # which preset was applied (informational)
+    c.resume = False                   # continue from the latest checkpoint in --workdir
+    c.log_every = 10                   # steps between log lines / metrics.jsonl records
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.temperature = 0.05          # tau in sim = <x, y> / tau
+    c.loss.positive_once = False       # multivariate: count the positive once instead of |T| times
+    c.loss.instruction_negatives = 5   # K instructions drawn per row for the I-marginal
+
+    c.model = ml_collections.ConfigDict()
+    c.model.checkpoint = EMBEDDED      # local folder, hub id, or "embedded:all-MiniLM-L6-v2"
+    c.model.family = "bert"            # backbone family (bert for now)
+    c.model.pooling = "mean"           # mean | cls | last
+    c.model.shared_encoder = True      # one theta for passages and instruction-queries
+    c.model.dtype = "float32"          # compute dtype: float32 | bfloat16 (params stay float32)
+    c.model.dropout = False            # apply the checkpoint's dropout during training
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)
+    c.data.splits = "msmarco"          # comma-separated InF-IR splits (ignored for synthetic)
+    c.data.field_map = "auto"          # auto | default | legacy (P+ named `document`)
+    c.data.on_bad_row = "error"        # error | skip (skipped rows are counted and reported)
+    c.data.limit = 0                   # use only the first N rows per split (0 = all)
+    c.data.hard_negatives = True       # 3 rows per record (I-,Q+,P1-) and (I+,Q-,P2-); else 1
+    c.data.query_template = "{query} {instruction}"   # instruction-aware query text
+    c.data.query_prefix = ""           # e.g. "query: " for e5
+    c.data.passage_prefix = ""         # e.g. "passage: " for e5
+    c.data.query_max_len = 256         # tokens, query side (static shape)
+    c.data.passage_max_len = 512       # tokens, passage side (static shape)
+    c.data.synthetic = ml_collections.ConfigDict()
+    c.data.synthetic.seed = 0          # generator seed of the synthetic corpus
+    c.data.synthetic.num_train = 2000  # training records
+    c.data.synthetic.num_eval_queries = 45   # FollowIR-style evaluation queries
+    c.data.synthetic.pool_size = 24    # candidates per evaluation query
+
+    c.train = ml_collections.ConfigDict()
+    c.train.batch_size = 32            # records per GLOBAL batch (rows = 3x with hard negatives)
+    c.train.steps = 0                  # total optimizer steps; 0 = train.epochs over the data
+    c.train.epochs = 2                 # used when train.steps == 0
+    c.train.learning_rate = 5e-5       # AdamW peak learning rate
+    c.train.warmup_steps = 0           # linear warmup steps, then linear decay to 0
+    c.train.weight_decay = 0.0         # AdamW weight decay
+    c.train.grad_clip = 1.0            # global-norm clipping (0 = off)
+    c.train.seed = 42                  # root seed: data order, instruction negatives, dropout
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1                   # data-parallel axis size (-1 = all devices)
+    c.mesh.fsdp = 1                    # parameter-sharding axis (only 1 is supported so far)
+    c.mesh.tensor = 1                  # tensor-parallel axis (only 1 is supported so far)
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every = 500           # steps between checkpoints (one is always written at the end)
+    c.checkpoint.max_to_keep = 3       # checkpoints kept in WORKDIR/checkpoints
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.synthetic = True            # p-MRR / nDCG@5 on the synthetic split before and after training
+    c.eval.batch_size = 64             # texts per encoder call during evaluation
+
+    preset = c.preset
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r} (config argument); choose one of {sorted(PRESETS)}")
+    overrides = dict(PRESETS[preset]) if preset == "embedded" else {**HUB_DATA, **PRESETS[preset]}
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+def _check(cond: bool, key: str, value, why: str) -> None:
+    if not cond:
+        raise ConfigError(f"config.{key}={value!r}: {why}")
+
+
+def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1) -> None:
+    """Refuse values that cannot work, naming the key. Cheap: touches no file or device."""
+    _check(c.objective in OBJECTIVES, "objective", c.objective, f"unknown objective; choose one of {sorted(OBJECTIVES)}")
+    _check(c.loss.temperature > 0, "loss.temperature", c.loss.temperature, "must be > 0")
+    _check(c.loss.instruction_negatives >= 0, "loss.instruction_negatives", c.loss.instruction_negatives, "must be >= 0")
+    if "i" in OBJECTIVES[c.objective][1]:
+        _check(c.loss.instruction_negatives >= 1, "loss.instruction_negatives", c.loss.instruction_negatives,
+               f"objective {c.objective} uses the I-marginal and needs at least one instruction negative")
+    _check(c.model.family == "bert", "model.family", c.model.family, "only 'bert' is available so far")
+    _check(c.model.pooling in ("mean", "cls", "last"), "model.pooling", c.model.pooling, "must be mean, cls or last")
+    _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "must be float32 or bfloat16")
+    _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
+           "must name a local folder, a hub id, or " + EMBEDDED)
+    _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
+           "must be auto, default or legacy")
+    _check(c.data.on_bad_row in ("error", "skip"), "data.on_bad_row", c.data.on_bad_row, "must be error or skip")
+    _check(c.data.limit >= 0, "data.limit", c.data.limit, "must be >= 0")
+    for key in ("query_max_len", "passage_max_len"):
+        _check(8 <= c.data[key] <= 8192, f"data.{key}", c.data[key], "must be in [8, 8192]")
+    try:
+        from infjax.data.tokenize import validate_template
+
+        validate_template(c.data.query_template)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
+    _check(c.data.synthetic.num_train >= 1, "data.synthetic.num_train", c.data.synthetic.num_train, "must be >= 1")
+    _check(c.data.synthetic.num_eval_queries >= 1, "data.synthetic.num_eval_queries",
+           c.data.synthetic.num_eval_queries, "must be >= 1")
+    _check(c.data.synthetic.pool_size >= 8, "data.synthetic.pool_size", c.data.synthetic.pool_size, "must be >= 8")
+    _check(c.train.batch_size >= 1, "train.batch_size", c.train.batch_size, "must be >= 1")
+    _check(c.train.steps >= 0, "train.steps", c.train.steps, "must be >= 0 (0 = train.epochs over the data)")
+    _check(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
+    _check(c.train.learning_rate > 0, "train.learning_rate", c.train.learning_rate, "must be > 0")
+    _check(c.train.warmup_steps >= 0, "train.warmup_steps", c.train.warmup_steps, "must be >= 0")
+    _check(c.train.weight_decay >= 0, "train.weight_decay", c.train.weight_decay, "must be >= 0")
+    _check(c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip, "must be >= 0 (0 = off)")
+    _check(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
+    _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
+    _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")
+    _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
+    _check(c.mesh.fsdp == 1, "mesh.fsdp", c.mesh.fsdp, "parameter sharding is not implemented yet; use 1")
+    _check(c.mesh.tensor == 1, "mesh.tensor", c.mesh.tensor, "tensor parallelism is not implemented yet; use 1")
+    _check(c.mesh.data == -1 or c.mesh.data >= 1, "mesh.data", c.mesh.data, "must be -1 (all devices) or >= 1")
+    if num_devices is not None:
+        data = num_devices if c.mesh.data == -1 else c.mesh.data
+        _check(data <= num_devices and num_devices % data == 0, "mesh.data", c.mesh.data,
+               f"must divide the {num_devices} available devices")
+        rows = c.train.batch_size * (3 if c.data.hard_negatives else 1)
+        _check(rows % data == 0, "train.batch_size", c.train.batch_size,
+               f"gives {rows} rows per global batch, not divisible by the data axis ({data} devices)")
+        _check(rows % num_processes == 0, "train.batch_size", c.train.batch_size,
+               f"gives {rows} rows per global batch, not divisible by the {num_processes} processes")

@@ -1,0 +1,525 @@
+"""Loading and cleaning of the InF-IR training corpus.
+
+InF-IR (hub id ``InF-IR/InF-IR``; splits ``msmarco``, ``robust04``,
+``leetcode``, ``metamath``) has one string field per role::
+
+    instruction_positive      I+
+    query_positive            Q+
+    document_positive         P+   (older copies call it ``document``)
+    instruction_negative      I-
+    query_negative            Q-
+    hard_negative_document_1  P1-
+    hard_negative_document_2  P2-
+
+A *field map* maps each canonical name above to the column that holds it in a
+given source. Partial maps are completed from the default (identity) map, so
+``{"query_positive": "q"}`` only renames one column.
+
+Cleaning follows the InF-Embed paper (appendix B.1): every instruction and
+query is cut at its first line break and stripped; passages are only stripped.
+A row with a missing field, a non-string value, or a value that is empty after
+cleaning is a *bad row*. By default a bad row stops loading with a
+:class:`BadRowError` naming the split, the row index and the field; with
+``on_bad_row="skip"`` bad rows are dropped, counted and reported in a warning.
+Bad rows are never dropped silently.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FIELDS",
+    "TEXT_FIELDS",
+    "PASSAGE_FIELDS",
+    "DEFAULT_FIELD_MAP",
+    "LEGACY_FIELD_MAP",
+    "ON_BAD_ROW_CHOICES",
+    "BadRowError",
+    "MissingColumnError",
+    "resolve_field_map",
+    "clean_text",
+    "clean_passage",
+    "clean_record",
+    "clean_records",
+    "load_inf_ir",
+    "flatten_record",
+    "flatten_record_no_hard_negatives",
+]
+
+#: Canonical field names, in the order of the corpus card.
+FIELDS: tuple[str, ...] = (
+    "instruction_positive",
+    "query_positive",
+    "document_positive",
+    "instruction_negative",
+    "query_negative",
+    "hard_negative_document_1",
+    "hard_negative_document_2",
+)
+
+#: Instructions and queries: cut at the first line break, then stripped.
+TEXT_FIELDS: frozenset[str] = frozenset(
+    {"instruction_positive", "query_positive", "instruction_negative", "query_negative"}
+)
+
+#: Passages: only stripped.
+PASSAGE_FIELDS: frozenset[str] = frozenset(FIELDS) - TEXT_FIELDS
+
+#: Identity map: every canonical field is read from the column of the same name.
+DEFAULT_FIELD_MAP: dict[str, str] = {name: name for name in FIELDS}
+
+#: Map for older copies of the corpus, where P+ is stored as ``document``.
+LEGACY_FIELD_MAP: dict[str, str] = {**DEFAULT_FIELD_MAP, "document_positive": "document"}
+
+#: Allowed values of ``on_bad_row``.
+ON_BAD_ROW_CHOICES: tuple[str, ...] = ("error", "skip")
+
+#: Extensions of local files this module can read, and the datasets builder for each.
+_BUILDER_BY_EXTENSION: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+
+#: How many offending (row, field) pairs a skip warning lists.
+_MAX_REPORTED_BAD_ROWS = 5
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+# ---------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------
+
+
+class BadRowError(ValueError):
+    """A row of the corpus with a missing, non-string or empty field.
+
+    Attributes:
+        split: name of the split the row belongs to.
+        row: 0-based index of the row in the (possibly ``limit``-ed) source.
+        field: canonical field name.
+        column: source column the field was read from.
+        reason: short human-readable cause.
+    """
+
+    def __init__(self, split: str, row: int, field: str, reason: str, column: str | None = None):
+        self.split = split
+        self.row = row
+        self.field = field
+        self.column = field if column is None else column
+        self.reason = reason
+        super().__init__(
+            f"InF-IR split {split!r} row {row}, field {field!r} "
+            f"(source column {self.column!r}): {reason}"
+        )
+
+    def __reduce__(self):  # keep the exception picklable (multiprocessing, pytest-xdist)
+        return (type(self), (self.split, self.row, self.field, self.reason, self.column))
+
+
+class MissingColumnError(ValueError):
+    """A source lacks a column the field map asks for (checked before reading rows).
+
+    Attributes:
+        split: name of the split being loaded.
+        field: canonical field name.
+        column: the source column that is missing.
+        available: the columns the source does have.
+    """
+
+    def __init__(self, split: str, field: str, column: str, available: Sequence[str]):
+        self.split = split
+        self.field = field
+        self.column = column
+        self.available = list(available)
+        super().__init__(
+            f"InF-IR split {split!r}, field {field!r}: source column {column!r} not found; "
+            f"columns present: {self.available}. Pass field_map={{{field!r}: '<column>'}} "
+            "to read the field from another column."
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.split, self.field, self.column, self.available))
+
+
+# ---------------------------------------------------------------------------
+# Field maps
+# ---------------------------------------------------------------------------
+
+
+def _check_field_map(field_map: Mapping[str, Any]) -> None:
+    """Raise ValueError for unknown canonical keys or non-string column names."""
+    unknown = sorted(str(key) for key in field_map if key not in DEFAULT_FIELD_MAP)
+    if unknown:
+        raise ValueError(
+            f"field_map has unknown canonical field(s) {unknown}; "
+            f"the canonical fields are {list(FIELDS)}"
+        )
+    not_str = sorted(key for key, column in field_map.items() if not isinstance(column, str) or not column)
+    if not_str:
+        raise ValueError(f"field_map must map each field to a non-empty column name; bad entries for {not_str}")
+
+
+def _auto_field_map(columns: Iterable[str]) -> dict[str, str]:
+    """The built-in map that fits ``columns``: LEGACY if only ``document`` holds P+."""
+    columns = set(columns)
+    if "document_positive" not in columns and "document" in columns:
+        return dict(LEGACY_FIELD_MAP)
+    return dict(DEFAULT_FIELD_MAP)
+
+
+def resolve_field_map(field_map: Mapping[str, str] | None, columns: Sequence[str]) -> dict[str, str]:
+    """Return a complete canonical-name -> source-column map for a source.
+
+    Args:
+        field_map: ``None`` to pick :data:`DEFAULT_FIELD_MAP` or
+            :data:`LEGACY_FIELD_MAP` from ``columns`` (legacy when the source
+            has ``document`` but no ``document_positive``), or a full or
+            partial user map. A partial map is merged over that same
+            automatic choice, which is the identity map unless the source only
+            has the legacy ``document`` column.
+        columns: the column names of the source.
+
+    Raises:
+        ValueError: if ``field_map`` has keys that are not canonical field
+            names (they are named in the message) or non-string column names.
+    """
+    if field_map is None:
+        return _auto_field_map(columns)
+    _check_field_map(field_map)
+    if len(field_map) == len(FIELDS):  # already complete: nothing to merge
+        return dict(field_map)
+    return {**_auto_field_map(columns), **field_map}
+
+
+# ---------------------------------------------------------------------------
+# Cleaning
+# ---------------------------------------------------------------------------
+
+
+def clean_text(value: str) -> str:
+    """Clean an instruction or query: keep only its first line, stripped.
+
+    Surrounding whitespace is stripped first, so a value that merely starts
+    with a blank line keeps its first non-blank line.
+    """
+    return _LINE_BREAK.split(value.strip(), maxsplit=1)[0].strip()
+
+
+def clean_passage(value: str) -> str:
+    """Clean a passage: strip surrounding whitespace only."""
+    return value.strip()
+
+
+def _clean_field(field: str, value: str) -> str:
+    """Apply the cleaning rule of ``field`` to ``value``."""
+    return clean_text(value) if field in TEXT_FIELDS else clean_passage(value)
+
+
+def _describe_bad_value(value: Any) -> str:
+    """Reason string for a non-string value."""
+    if value is None:
+        return "value is None (null)"
+    shown = repr(value)
+    if len(shown) > 40:
+        shown = shown[:37] + "..."
+    return f"expected a string, got {type(value).__name__} {shown}"
+
+
+def clean_record(
+    raw: Mapping[str, Any],
+    *,
+    field_map: Mapping[str, str] | None,
+    split: str,
+    row: int,
+) -> dict[str, str]:
+    """Clean one raw row into a record keyed by the canonical field names.
+
+    Args:
+        raw: the source row (column name -> value).
+        field_map: full or partial canonical -> column map; ``None`` picks the
+            default or legacy map from the row's own keys.
+        split: split name, for error messages.
+        row: row index, for error messages.
+
+    Returns:
+        A dict with exactly the keys of :data:`FIELDS`, in that order.
+
+    Raises:
+        BadRowError: on the first field (in :data:`FIELDS` order) that is
+            missing, not a string, or empty after cleaning.
+    """
+    resolved = resolve_field_map(field_map, list(raw.keys()))
+    record: dict[str, str] = {}
+    for field in FIELDS:
+        column = resolved[field]
+        if column not in raw:
+            raise BadRowError(split, row, field, "missing from the row", column)
+        value = raw[column]
+        if not isinstance(value, str):
+            raise BadRowError(split, row, field, _describe_bad_value(value), column)
+        cleaned = _clean_field(field, value)
+        if not cleaned:
+            raise BadRowError(split, row, field, "empty after cleaning", column)
+        record[field] = cleaned
+    return record
+
+
+def _check_on_bad_row(on_bad_row: str) -> None:
+    if on_bad_row not in ON_BAD_ROW_CHOICES:
+        raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW_CHOICES)}, got {on_bad_row!r}")
+
+
+def _warn_skipped(split: str, bad: list[BadRowError]) -> None:
+    """Log one warning summarising the skipped rows of ``split``."""
+    shown = ", ".join(f"(row {e.row}, {e.field!r}: {e.reason})" for e in bad[:_MAX_REPORTED_BAD_ROWS])
+    more = f" and {len(bad) - _MAX_REPORTED_BAD_ROWS} more" if len(bad) > _MAX_REPORTED_BAD_ROWS else ""
+    logger.warning("InF-IR split %r: skipped %d bad row(s): %s%s", split, len(bad), shown, more)
+
+
+def clean_records(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    split: str,
+    field_map: Mapping[str, str] | None = None,
+    on_bad_row: str = "error",
+) -> tuple[list[dict[str, str]], int]:
+    """Clean a sequence of raw rows.
+
+    Args:
+        rows: raw rows; row indices in messages are positions in this iterable.
+        split: split name, for error messages.
+        field_map: full or partial canonical -> column map; ``None`` resolves
+            the map once from the first row's keys.
+        on_bad_row: ``"error"`` raises :class:`BadRowError` on the first bad
+            row; ``"skip"`` drops bad rows and logs a warning with their count
+            and the first few offending (row, field) pairs.
+
+    Returns:
+        ``(records, n_skipped)``; records keep the order of ``rows``.
+
+    Raises:
+        ValueError: if ``on_bad_row`` is not one of :data:`ON_BAD_ROW_CHOICES`.
+        BadRowError: on a bad row when ``on_bad_row="error"``.
+    """
+    _check_on_bad_row(on_bad_row)
+    if field_map is not None:
+        _check_field_map(field_map)
+    resolved: dict[str, str] | None = None
+    records: list[dict[str, str]] = []
+    bad: list[BadRowError] = []
+    for index, raw in enumerate(rows):
+        if resolved is None:
+            resolved = resolve_field_map(field_map, list(raw.keys()))
+        try:
+            records.append(clean_record(raw, field_map=resolved, split=split, row=index))
+        except BadRowError as error:
+            if on_bad_row == "error":
+                raise
+            bad.append(error)
+    if bad:
+        _warn_skipped(split, bad)
+    return records, len(bad)
+
+
+# ---------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------
+
+
+def _builder_for(path: str) -> str:
+    """The datasets builder name (``parquet`` / ``json``) for a local file."""
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        return _BUILDER_BY_EXTENSION[ext]
+    except KeyError:
+        raise ValueError(
+            f"unsupported InF-IR file {path!r}: expected one of {sorted(_BUILDER_BY_EXTENSION)}"
+        ) from None
+
+
+def _files_in_folder(folder: str, split: str) -> list[str]:
+    """Data files for ``split`` in a local folder.
+
+    Prefers the hub layout ``<folder>/data/<split>-*.parquet``; otherwise takes
+    the readable files directly in ``folder`` whose name starts with ``split``.
+    """
+    hub_layout = sorted(glob.glob(os.path.join(glob.escape(folder), "data", f"{glob.escape(split)}-*.parquet")))
+    if hub_layout:
+        return hub_layout
+    entries = sorted(os.listdir(folder))
+    matches = [
+        os.path.join(folder, name)
+        for name in entries
+        if name.startswith(split)
+        and os.path.isfile(os.path.join(folder, name))
+        and os.path.splitext(name)[1].lower() in _BUILDER_BY_EXTENSION
+    ]
+    if matches:
+        return matches
+    data_dir = os.path.join(folder, "data")
+    found = entries + ([f"data/{n}" for n in sorted(os.listdir(data_dir))] if os.path.isdir(data_dir) else [])
+    raise FileNotFoundError(
+        f"no data files for InF-IR split {split!r} in folder {folder!r}: looked for "
+        f"data/{split}-*.parquet and for {sorted(_BUILDER_BY_EXTENSION)} files whose name starts "
+        f"with {split!r}; found {found}"
+    )
+
+
+def _looks_like_path(source: str) -> bool:
+    """Whether a non-existent ``source`` was meant as a local path, not a hub id."""
+    if source.startswith((".", "/", "~", "\\")) or os.path.isabs(source):
+        return True
+    if os.path.splitext(source)[1].lower() in _BUILDER_BY_EXTENSION:
+        return True
+    return source.count("/") > 1  # hub ids are "name" or "owner/name"
+
+
+def _load_local(files: list[str], split: str):
+    """Load local data files into an in-memory ``datasets.Dataset``.
+
+    A throw-away cache directory keeps ``~/.cache`` clean and guarantees that a
+    file rewritten in place is re-read rather than served from a stale cache.
+    """
+    import datasets
+
+    builders = {_builder_for(path) for path in files}
+    if len(builders) > 1:
+        raise ValueError(f"InF-IR split {split!r}: cannot mix file formats in one split: {files}")
+    with tempfile.TemporaryDirectory(prefix="infjax-inf-ir-") as cache_dir:
+        return datasets.load_dataset(
+            builders.pop(),
+            data_files=files,
+            split="train",
+            cache_dir=cache_dir,
+            keep_in_memory=True,
+        )
+
+
+def _load_hub(source: str, split: str):
+    """Load ``split`` of a hub dataset; any failure becomes FileNotFoundError."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source, split=split)
+    except Exception as error:  # offline, unknown id, unknown split, auth, ...
+        raise FileNotFoundError(
+            f"could not load InF-IR split {split!r} from {source!r}: it is not an existing local "
+            f"path, and loading it as a hub dataset failed ({type(error).__name__}: {error}). "
+            f"To use a local copy, pass a .parquet/.jsonl/.json file, or a folder holding "
+            f"data/{split}-*.parquet or files named {split}*.parquet/.jsonl/.json."
+        ) from error
+
+
+def _open_source(source: str, split: str):
+    """Dispatch ``source`` to a local file, a local folder or the hub."""
+    path = os.path.expanduser(source)
+    if os.path.isfile(path):
+        return _load_local([path], split)
+    if os.path.isdir(path):
+        return _load_local(_files_in_folder(path, split), split)
+    if _looks_like_path(source):
+        raise FileNotFoundError(f"InF-IR source {source!r} for split {split!r}: no such file or folder")
+    return _load_hub(source, split)
+
+
+def _check_columns(field_map: Mapping[str, str], columns: Sequence[str], split: str) -> None:
+    """Raise MissingColumnError for the first mapped column the source lacks."""
+    present = set(columns)
+    for field in FIELDS:
+        if field_map[field] not in present:
+            raise MissingColumnError(split, field, field_map[field], columns)
+
+
+def _iter_rows(dataset, columns: Sequence[str], batch_size: int = 1024):
+    """Yield rows of ``dataset`` restricted to ``columns``, batch by batch."""
+    subset = dataset.select_columns(list(columns))
+    for batch in subset.iter(batch_size=batch_size):
+        values = [batch[column] for column in columns]
+        for row_values in zip(*values):
+            yield dict(zip(columns, row_values))
+
+
+def load_inf_ir(
+    source: str,
+    split: str,
+    *,
+    field_map: Mapping[str, str] | None = None,
+    on_bad_row: str = "error",
+    limit: int | None = None,
+) -> list[dict[str, str]]:
+    """Load and clean one split of InF-IR.
+
+    Args:
+        source: one of
+            * a local ``.parquet`` / ``.jsonl`` / ``.json`` file (``split`` is
+              then only a label for messages);
+            * a local folder: ``<folder>/data/<split>-*.parquet`` (hub layout)
+              if present, else the files in the folder whose name starts with
+              ``split``;
+            * otherwise a hub dataset id such as ``"InF-IR/InF-IR"``, loaded
+              with ``datasets.load_dataset(source, split=split)``.
+        split: split name, e.g. ``"msmarco"``.
+        field_map: full or partial canonical -> column map; ``None`` picks the
+            default or legacy (``document``) map from the source's columns.
+        on_bad_row: ``"error"`` (default) or ``"skip"``; see :func:`clean_records`.
+        limit: if given, only the first ``limit`` rows are cleaned.
+
+    Returns:
+        Cleaned records (dicts keyed by :data:`FIELDS`), in source order.
+
+    Raises:
+        FileNotFoundError: missing local path, folder without files for the
+            split, or a hub id that cannot be loaded.
+        MissingColumnError: the source lacks a mapped column (checked before
+            any row is read).
+        BadRowError: a bad row while ``on_bad_row="error"``.
+        ValueError: bad ``on_bad_row``, ``limit`` or ``field_map``.
+    """
+    _check_on_bad_row(on_bad_row)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
+    if field_map is not None:
+        _check_field_map(field_map)
+    source = os.fspath(source)
+
+    dataset = _open_source(source, split)
+    columns = list(dataset.column_names)
+    resolved = resolve_field_map(field_map, columns)
+    _check_columns(resolved, columns, split)
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))
+
+    needed = list(dict.fromkeys(resolved[field] for field in FIELDS))
+    records, _ = clean_records(
+        _iter_rows(dataset, needed), split=split, field_map=resolved, on_bad_row=on_bad_row
+    )
+    return records
+
+
+# ---------------------------------------------------------------------------
+# Training rows
+# ---------------------------------------------------------------------------
+
+
+def flatten_record(record: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """The three (instruction, query, passage) training rows of a record.
+
+    In order: ``(I+, Q+, P+)``, ``(I-, Q+, P1-)``, ``(I+, Q-, P2-)``.
+    """
+    return [
+        (record["instruction_positive"], record["query_positive"], record["document_positive"]),
+        (record["instruction_negative"], record["query_positive"], record["hard_negative_document_1"]),
+        (record["instruction_positive"], record["query_negative"], record["hard_negative_document_2"]),
+    ]
+
+
+def flatten_record_no_hard_negatives(record: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """Only the positive training row ``(I+, Q+, P+)`` of a record."""
+    return [(record["instruction_positive"], record["query_positive"], record["document_positive"])]

@@ -1,0 +1,62 @@
+"""Text formatting (query template, prefixes) and fixed-shape tokenization."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class TextFormat:
+    """How an (instruction, query) pair and a passage become encoder input text (SPEC §1.3)."""
+
+    query_template: str = "{query} {instruction}"
+    query_prefix: str = ""
+    passage_prefix: str = ""
+
+    def __post_init__(self):
+        validate_template(self.query_template)
+
+    def query(self, instruction: str, query: str) -> str:
+        return self.query_prefix + self.query_template.format(instruction=instruction, query=query).strip()
+
+    def passage(self, text: str) -> str:
+        return self.passage_prefix + text
+
+
+def validate_template(template: str, key: str = "data.query_template") -> None:
+    """The template must name {query} and {instruction} and nothing else."""
+    import string
+
+    try:
+        names = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as e:
+        raise ValueError(f"{key}={template!r} is not a valid format string: {e}") from None
+    if names != {"query", "instruction"}:
+        raise ValueError(f"{key}={template!r} must contain exactly the fields {{query}} and {{instruction}}, "
+                         f"found {sorted(names)}")
+
+
+class Tokenizer:
+    """A Hugging Face tokenizer that always returns [N, max_len] int32 ids and mask."""
+
+    def __init__(self, path: str, padding_side: str = "right"):
+        from transformers import AutoTokenizer
+
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        self.path = path
+        self._tok = AutoTokenizer.from_pretrained(path)
+        self._tok.padding_side = padding_side
+        if self._tok.pad_token is None:
+            self._tok.pad_token = self._tok.eos_token
+
+    def __call__(self, texts: list[str], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+        if not texts:
+            return np.zeros((0, max_len), np.int32), np.zeros((0, max_len), np.int32)
+        out = self._tok(list(texts), padding="max_length", truncation=True, max_length=max_len,
+                        return_tensors="np")
+        return out["input_ids"].astype(np.int32), out["attention_mask"].astype(np.int32)
+
+    def save(self, directory: str) -> None:
+        self._tok.save_pretrained(directory)

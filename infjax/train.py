@@ -1,0 +1,217 @@
+"""Train an instruction-following bi-encoder: `python -m infjax.train --config=configs/multi_pi.py`.
+
+    python -m infjax.train --config=configs/multi_pi.py --workdir=runs/x
+    python -m infjax.train --config=configs/multi_pi.py:e5-base-v2 --config.train.steps=1000
+    python -m infjax.train --config=configs/multi_pi.py --workdir=runs/x --config.resume=True --config.train.steps=300
+
+Side effects (files, logs, checkpoints) live here; the pieces it wires
+together (data, models, losses, training) are pure or near it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+
+from infjax import config as config_lib
+from infjax import losses
+from infjax.data import batches, synthetic
+from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.followir import followir_metrics, rerank
+from infjax.inference import TextEmbedder
+from infjax.models.encoder import load_encoder, passage_params, query_params
+from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, step as step_lib
+
+log = logging.getLogger("infjax.train")
+
+
+def load_training_records(data_config, seed: int) -> list[dict]:
+    """InF-IR records from the configured source (synthetic, a hub id or local files)."""
+    if data_config.source == "synthetic":
+        s = data_config.synthetic
+        return synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
+    from infjax.data.inf_ir import LEGACY_FIELD_MAP, DEFAULT_FIELD_MAP, load_inf_ir
+
+    field_map = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}[data_config.field_map]
+    records = []
+    for split in [s.strip() for s in data_config.splits.split(",") if s.strip()]:
+        records += load_inf_ir(data_config.source, split, field_map=field_map, on_bad_row=data_config.on_bad_row,
+                               limit=data_config.limit or None)
+    return records
+
+
+def eval_split(config):
+    s = config.data.synthetic
+    return synthetic.make_synthetic(s.seed, 1, s.num_eval_queries, s.pool_size)[1]
+
+
+def check_workdir(workdir: str, resume: bool) -> None:
+    """The workdir must be writable; without resume it must not hold an earlier run's checkpoints."""
+    os.makedirs(workdir, exist_ok=True)
+    if not os.access(workdir, os.W_OK):
+        raise PermissionError(f"--workdir={workdir} is not writable")
+    ckpt = os.path.join(workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt) and any(name.isdigit() for name in os.listdir(ckpt))
+    if has_ckpt and not resume:
+        raise FileExistsError(f"--workdir={workdir} already holds checkpoints; pass --config.resume=True to "
+                              f"continue that run, or choose a new --workdir")
+    if resume and not has_ckpt:
+        raise FileNotFoundError(f"config.resume=True but {ckpt} holds no checkpoint to resume from")
+
+
+def total_steps(config, plan: batches.BatchPlan) -> int:
+    return config.train.steps or config.train.epochs * plan.steps_per_epoch
+
+
+class MetricsWriter:
+    """Log lines plus one JSON object per logged step in WORKDIR/metrics.jsonl (process 0 only)."""
+
+    def __init__(self, workdir: str):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.jsonl")
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def run(config, workdir: str) -> dict:
+    """Train per `config` in `workdir`; returns {"eval": ..., "final_step": ..., "losses": [...]}."""
+    config_lib.validate(config, jax.device_count(), jax.process_count())
+    log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count(), jax.devices()[0].platform)
+    check_workdir(workdir, config.resume)
+
+    # Data and model: files are read here, before anything compiles.
+    records = load_training_records(config.data, config.train.seed)
+    encoder, params, model_path = load_encoder(config.model)
+    tokenizer = Tokenizer(model_path, padding_side="right")
+    fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
+    objective = losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+               if objective.needs_instruction_negatives else None)
+    build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
+                                 config.data.passage_max_len, config.data.hard_negatives, sampler,
+                                 jax.process_index(), jax.process_count())
+    steps = total_steps(config, plan)
+    log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
+             build.global_rows, plan.steps_per_epoch, steps)
+
+    # Mesh, sharded state, compiled step.
+    mesh = mesh_lib.make_mesh(config.mesh)
+    optimizer, schedule = state_lib.make_optimizer(config.train, steps)
+    repl = mesh_lib.replicated(mesh)
+    abstract = jax.eval_shape(lambda p: state_lib.create_state(p, optimizer, config.train.seed), params)
+    state_sharding = jax.tree.map(lambda _: repl, abstract)
+    create = jax.jit(lambda p: state_lib.create_state(p, optimizer, config.train.seed), out_shardings=state_sharding)
+    state = create(jax.device_put(params, repl))
+    del params
+    train_step = step_lib.jit_train_step(
+        step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout), mesh, state_sharding)
+
+    ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep)
+    start = 0
+    if config.resume:
+        start = ckpts.latest_step()
+        state, position = ckpts.restore(start, checkpoint.abstract_like(state))
+        log.info("resumed from step %d (epoch %d, offset %d) in %s", start, position["epoch"],
+                 position["offset"], ckpts.directory)
+    if start >= steps:
+        log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
+
+    # Evaluation before training.
+    embedder = TextEmbedder(encoder, mesh, tokenizer, config.eval.batch_size)
+    split = eval_split(config) if config.eval.synthetic else None
+
+    def evaluate(st) -> dict:
+        qp, pp = query_params(st.params), passage_params(st.params)
+        runs = rerank(split, lambda t: embedder(qp, t, config.data.query_max_len),
+                      lambda t: embedder(pp, t, config.data.passage_max_len), fmt)
+        return dict(followir_metrics(split, *runs), step=int(st.step))
+
+    results = {}
+    if split is not None:
+        results["before"] = evaluate(state)
+        log.info("eval before training (step %d): p-MRR %+.2f  nDCG@5 %.4f", start,
+                 results["before"]["p_mrr"], results["before"]["ndcg@5"])
+
+    writer = MetricsWriter(workdir)
+    config_json = json.loads(config.to_json_best_effort())
+    losses_seen = []
+    t_last, rows_since = time.perf_counter(), 0
+    progress = _progress(range(start, steps), start, steps)
+    for step in progress:
+        batch = mesh_lib.global_batch(build(step), mesh)
+        state, metrics = train_step(state, batch)
+        rows_since += build.global_rows
+        done = step + 1
+        if done % config.log_every == 0 or done == steps:
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            now = time.perf_counter()
+            metrics["examples_per_s"] = rows_since / (now - t_last)
+            t_last, rows_since = now, 0
+            losses_seen.append((done, metrics["loss"]))
+            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s", done, steps,
+                     metrics["loss"], metrics["learning_rate"], metrics["grad_norm"], metrics["examples_per_s"])
+            writer.write({"step": done, **metrics})
+            if hasattr(progress, "set_postfix"):
+                progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+        if done % config.checkpoint.every == 0 or done == steps:
+            ckpts.save(done, state, plan.position(done), config_json)
+    ckpts.close()
+
+    if split is not None:
+        results["after"] = evaluate(state)
+        log.info("eval after training (step %d): p-MRR %+.2f  nDCG@5 %.4f", int(state.step),
+                 results["after"]["p_mrr"], results["after"]["ndcg@5"])
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=2)
+    return {"eval": results, "final_step": int(state.step), "losses": losses_seen, "state": state}
+
+
+def _progress(it, start: int, total: int):
+    if jax.process_index() != 0:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, initial=start, total=total, desc="train", dynamic_ncols=True, file=sys.stderr)
+
+
+def main(argv) -> None:
+    from absl import flags
+
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+    try:
+        run(config, workdir or os.path.join("runs", config.objective))
+    except (config_lib.ConfigError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
+        log.error("%s", e)
+        sys.exit(2)
+
+
+def _define_flags() -> None:
+    from absl import flags
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi_pi.py[:preset].",
+                                    lock_config=True)
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, eval.json "
+                                         "(default runs/<objective>).")
+    flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    _define_flags()
+    app.run(main)

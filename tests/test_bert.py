@@ -1,0 +1,335 @@
+"""BERT encoder, pooling and Hugging Face checkpoint I/O."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infjax.models import hf_io
+from infjax.models.bert import BertConfig, BertModel
+from infjax.models.pooling import l2_normalize, pool
+
+TEXTS = [
+    "Find documents about cats.",
+    "Instruction: retrieve passages that answer the question, ignoring anything about dogs or other pets.",
+    "hi",
+    "What is the capital of France?",
+]
+
+TINY_HF_KWARGS = dict(
+    vocab_size=99,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=37,
+    max_position_embeddings=64,
+    type_vocab_size=2,
+)
+
+
+def _torch_last_hidden(model, batch):
+    """Last hidden state of a torch BertModel on a numpy batch (fp32, eval mode)."""
+    import torch
+
+    with torch.no_grad():
+        out = model(**{k: torch.as_tensor(v) for k, v in batch.items()})
+    return out.last_hidden_state.float().numpy()
+
+
+def _masked_max_diff(a, b, mask):
+    """Max |a - b| over the positions where mask == 1."""
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))[mask.astype(bool)].max())
+
+
+def _padded_random_batch(seed=0, batch=3, seq_len=11, vocab=99):
+    """Random ids with right padding of different lengths and random token types."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, size=(batch, seq_len)).astype(np.int64)
+    lengths = np.array([seq_len, 6, 2][:batch])
+    mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.int64)
+    ids = ids * mask
+    types = (rng.random((batch, seq_len)) > 0.5).astype(np.int64) * mask
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+@pytest.fixture(scope="module")
+def minilm_path():
+    try:
+        return hf_io.embedded_minilm_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A random tiny transformers BertModel saved as safetensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(**TINY_HF_KWARGS)).eval()
+    with torch.no_grad():  # make LayerNorm / biases non-trivial so the name map matters
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+# --------------------------------------------------------------------------
+# Real MiniLM weights
+# --------------------------------------------------------------------------
+
+
+def test_minilm_matches_transformers_and_sentence_transformers(minilm_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    st = pytest.importorskip("sentence_transformers")
+
+    module, params, hf_config, path = hf_io.load_bert(minilm_path)
+    assert path == minilm_path and hf_config["model_type"] == "bert"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = dict(tokenizer(TEXTS, padding=True, return_tensors="np"))
+    assert len(set(batch["attention_mask"].sum(1).tolist())) == len(TEXTS)  # all lengths differ
+
+    hidden = module.apply(
+        {"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+    )
+    assert hidden.dtype == jnp.float32 and hidden.shape == (*batch["input_ids"].shape, 384)
+    reference = _torch_last_hidden(transformers.BertModel.from_pretrained(path).eval(), batch)
+    diff = _masked_max_diff(hidden, reference, batch["attention_mask"])
+    print(f"MiniLM max abs diff vs transformers: {diff:.3e}")
+    assert diff <= 1e-4
+
+    ours = np.asarray(l2_normalize(pool(hidden, batch["attention_mask"], "mean")))
+    theirs = st.SentenceTransformer(path, device="cpu").encode(TEXTS)
+    theirs = theirs / np.linalg.norm(theirs, axis=1, keepdims=True)
+    cosine = np.sum(ours * theirs, axis=1)
+    print(f"MiniLM min cosine vs sentence-transformers: {cosine.min():.7f}")
+    assert np.all(cosine >= 0.9999)
+
+
+# --------------------------------------------------------------------------
+# Tiny random checkpoint
+# --------------------------------------------------------------------------
+
+
+def test_tiny_checkpoint_matches_torch(tiny_checkpoint):
+    folder, torch_model = tiny_checkpoint
+    module, params, _, _ = hf_io.load_bert(folder)
+    batch = _padded_random_batch()
+    hidden = module.apply(
+        {"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+    )
+    reference = _torch_last_hidden(torch_model, batch)
+    diff = _masked_max_diff(hidden, reference, batch["attention_mask"])
+    print(f"tiny fp32 max abs diff vs transformers: {diff:.3e}")
+    assert diff <= 1e-5
+
+    bf16 = module.clone(dtype=jnp.bfloat16)
+    hidden_bf16 = bf16.apply(
+        {"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+    )
+    assert hidden_bf16.dtype == jnp.bfloat16
+    diff_bf16 = _masked_max_diff(hidden_bf16, reference, batch["attention_mask"])
+    scale = float(np.abs(reference).max())
+    print(f"tiny bf16 max abs diff vs transformers: {diff_bf16:.3e} (max |h| = {scale:.2f})")
+    assert diff_bf16 <= 5e-2
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu_new", "gelu_pytorch_tanh"])
+def test_tanh_gelu_variants_match_torch(tmp_path, hidden_act):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    config = transformers.BertConfig(**TINY_HF_KWARGS, hidden_act=hidden_act)
+    model = transformers.BertModel(config).eval()
+    model.save_pretrained(tmp_path)
+    module, params, _, _ = hf_io.load_bert(str(tmp_path))
+    batch = _padded_random_batch(seed=2)
+    hidden = module.apply({"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    assert _masked_max_diff(hidden, _torch_last_hidden(model, batch), batch["attention_mask"]) <= 1e-5
+
+
+def test_padding_does_not_change_real_positions(tiny_checkpoint):
+    module, params, _, _ = hf_io.load_bert(tiny_checkpoint[0])
+    ids = np.array([[5, 6, 7, 8]])
+    short = module.apply({"params": params}, ids, np.ones_like(ids))
+    padded_ids = np.array([[5, 6, 7, 8, 0, 0, 0]])
+    padded_mask = np.array([[1, 1, 1, 1, 0, 0, 0]])
+    padded = module.apply({"params": params}, padded_ids, padded_mask)
+    np.testing.assert_allclose(np.asarray(padded[:, :4]), np.asarray(short), atol=1e-5)
+
+
+def test_dropout_and_remat(tiny_checkpoint):
+    module, params, _, _ = hf_io.load_bert(tiny_checkpoint[0])
+    batch = _padded_random_batch()
+    args = (batch["input_ids"], batch["attention_mask"])
+    eval_out = module.apply({"params": params}, *args)
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+    train_a = module.apply({"params": params}, *args, deterministic=False, rngs=rngs)
+    train_b = module.clone(remat=True).apply({"params": params}, *args, deterministic=False, rngs=rngs)
+    assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
+    np.testing.assert_allclose(np.asarray(train_a), np.asarray(train_b), atol=1e-6)
+
+
+def test_init_tree_matches_name_map(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    ids = jnp.zeros((1, 3), jnp.int32)
+    init_params = BertModel(config).init(jax.random.PRNGKey(0), ids, ids)["params"]
+    loaded = hf_io.bert_params_from_hf(hf_io.read_safetensors(folder), config)
+    assert jax.tree_util.tree_structure(init_params) == jax.tree_util.tree_structure(loaded)
+    shapes = jax.tree_util.tree_map(lambda x: x.shape, init_params)
+    assert shapes == jax.tree_util.tree_map(lambda x: x.shape, loaded)
+
+
+# --------------------------------------------------------------------------
+# Name map and file handling
+# --------------------------------------------------------------------------
+
+
+def test_name_map_round_trip_is_exact(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    tensors = hf_io.read_safetensors(folder)
+    back = hf_io.bert_params_to_hf(hf_io.bert_params_from_hf(tensors, config), config)
+    kept = {k for k in tensors if not k.startswith("pooler.") and k != "embeddings.position_ids"}
+    assert set(back) == kept
+    for name in kept:
+        assert back[name].dtype == tensors[name].dtype
+        np.testing.assert_array_equal(back[name], tensors[name], err_msg=name)
+
+
+def test_bert_prefix_is_accepted(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    tensors = hf_io.read_safetensors(folder)
+    prefixed = {"bert." + k: v for k, v in tensors.items()}
+    prefixed["cls.predictions.bias"] = np.zeros(config.vocab_size, np.float32)
+    a = hf_io.bert_params_from_hf(tensors, config)
+    b = hf_io.bert_params_from_hf(prefixed, config)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
+    out = hf_io.bert_params_to_hf(b, config, prefix="bert.")
+    np.testing.assert_array_equal(out["bert.encoder.layer.1.output.dense.weight"],
+                                  tensors["encoder.layer.1.output.dense.weight"])
+
+
+def test_missing_unexpected_and_misshapen_tensors_are_named(tiny_checkpoint):
+    folder, _ = tiny_checkpoint
+    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    tensors = hf_io.read_safetensors(folder)
+
+    missing = dict(tensors)
+    del missing["encoder.layer.1.output.dense.bias"]
+    with pytest.raises(ValueError, match=r"missing.*encoder\.layer\.1\.output\.dense\.bias"):
+        hf_io.bert_params_from_hf(missing, config)
+
+    extra = dict(tensors, **{"encoder.layer.0.attention.self.rotary.weight": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match=r"unexpected.*encoder\.layer\.0\.attention\.self\.rotary\.weight"):
+        hf_io.bert_params_from_hf(extra, config)
+
+    wrong = dict(tensors, **{"encoder.layer.0.intermediate.dense.weight": np.zeros((37, 31), np.float32)})
+    with pytest.raises(ValueError, match=r"encoder\.layer\.0\.intermediate\.dense\.weight"):
+        hf_io.bert_params_from_hf(wrong, config)
+
+
+def test_fp16_bf16_and_sharded_checkpoints_load_as_float32(tiny_checkpoint, tmp_path):
+    torch = pytest.importorskip("torch")
+    import copy
+
+    folder, shared_model = tiny_checkpoint
+    reference = hf_io.read_safetensors(folder)
+    for dtype in (torch.float16, torch.bfloat16):
+        out = tmp_path / str(dtype).split(".")[-1]
+        model = copy.deepcopy(shared_model).to(dtype)
+        model.save_pretrained(out, max_shard_size="20KB")
+        assert os.path.isfile(out / hf_io.SAFETENSORS_INDEX)
+        loaded = hf_io.read_safetensors(str(out))
+        assert set(loaded) == set(reference)
+        name = "encoder.layer.0.attention.self.query.weight"
+        assert loaded[name].dtype == np.float32
+        expected = model.state_dict()[name].float().numpy()
+        np.testing.assert_array_equal(loaded[name], expected)
+        shard = sorted(p for p in os.listdir(out) if p.endswith(".safetensors"))[0]
+        raw = hf_io._read_safetensors_raw(str(out / shard))  # the no-ml_dtypes-in-safetensors fallback
+        for k, v in raw.items():
+            np.testing.assert_array_equal(hf_io._to_float32(v), loaded[k])
+
+
+def test_pickle_only_folder_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ValueError, match="pytorch_model.bin"):
+        hf_io.read_safetensors(str(tmp_path))
+
+
+def test_resolve_checkpoint_offline_names_the_id(monkeypatch, tmp_path):
+    pytest.importorskip("huggingface_hub")
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(hf_io.CheckpointNotFound, match="some-org/does-not-exist") as info:
+        hf_io.resolve_checkpoint("some-org/does-not-exist")
+    assert isinstance(info.value, FileNotFoundError)
+    assert "--config.model.checkpoint" in str(info.value)
+    assert hf_io.resolve_checkpoint(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(hf_io.CheckpointNotFound, match="does not exist"):
+        hf_io.resolve_checkpoint(str(tmp_path / "nope"))
+
+
+def test_config_validation(tmp_path):
+    base = {k: v for k, v in TINY_HF_KWARGS.items()}
+    assert BertConfig.from_hf_dict(base).hidden_size == 32
+    with pytest.raises(ValueError, match=r"my/config\.json.*model_type='roberta'"):
+        BertConfig.from_hf_dict(dict(base, model_type="roberta"), source="my/config.json")
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        BertConfig.from_hf_dict({k: v for k, v in base.items() if k != "num_attention_heads"})
+    with pytest.raises(ValueError, match="hidden_act"):
+        BertConfig.from_hf_dict(dict(base, hidden_act="swish"))
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        BertConfig.from_hf_dict(dict(base, position_embedding_type="relative_key"))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        hf_io.load_hf_config(str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        hf_io.load_hf_config(str(tmp_path / "missing"))
+
+
+# --------------------------------------------------------------------------
+# Pooling
+# --------------------------------------------------------------------------
+
+
+def test_last_pooling_left_and_right_padding():
+    rng = np.random.default_rng(0)
+    seq = rng.normal(size=(5, 8)).astype(np.float32)  # 5 real tokens, H=8
+    left = np.concatenate([np.zeros((3, 8), np.float32), seq])[None]
+    right = np.concatenate([seq, np.full((3, 8), 7.0, np.float32)])[None]
+    left_mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1]])
+    right_mask = left_mask[:, ::-1]
+    unpadded = pool(seq[None], np.ones((1, 5)), "last")
+    np.testing.assert_array_equal(np.asarray(unpadded), seq[None, -1])
+    np.testing.assert_array_equal(np.asarray(pool(left, left_mask, "last")), seq[None, -1])
+    np.testing.assert_array_equal(np.asarray(pool(right, right_mask, "last")), seq[None, -1])
+
+
+def test_mean_and_cls_pooling_match_numpy():
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=(3, 6, 4)).astype(np.float32)
+    mask = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 1, 0]])
+    expected = np.stack([hidden[b][mask[b] == 1].mean(0) for b in range(3)])
+    np.testing.assert_allclose(np.asarray(pool(hidden, mask, "mean")), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(pool(hidden, mask, "cls")), hidden[:, 0])
+    out = pool(jnp.asarray(hidden, jnp.bfloat16), mask, "mean")
+    assert out.dtype == jnp.float32
+
+
+def test_unknown_pooling_kind_and_l2_normalize():
+    with pytest.raises(ValueError, match="mean.*cls.*last"):
+        pool(np.zeros((1, 2, 3)), np.ones((1, 2)), "max")
+    x = np.array([[3.0, 4.0], [0.0, 0.0]], np.float32)
+    np.testing.assert_allclose(np.asarray(l2_normalize(x)), [[0.6, 0.8], [0.0, 0.0]])

@@ -1,0 +1,415 @@
+"""Tests for infjax.data.inf_ir: loading, cleaning and flattening InF-IR."""
+
+import json
+import logging
+import os
+
+import pandas as pd
+import pytest
+
+from infjax.data.inf_ir import (
+    DEFAULT_FIELD_MAP,
+    FIELDS,
+    LEGACY_FIELD_MAP,
+    BadRowError,
+    MissingColumnError,
+    clean_record,
+    clean_records,
+    flatten_record,
+    flatten_record_no_hard_negatives,
+    load_inf_ir,
+    resolve_field_map,
+)
+
+
+def raw_row(i: int) -> dict:
+    """A raw corpus row with messy whitespace and multi-line instructions/queries."""
+    return {
+        "instruction_positive": f"  Find passages about topic {i}.\nExtra line that must go.  ",
+        "query_positive": f"what is thing {i}?\r\nsecond line",
+        "document_positive": f"  Positive passage {i}.\nIt has two lines.  ",
+        "instruction_negative": f"Find passages NOT about topic {i}.\n\nmore",
+        "query_negative": f"  what is not thing {i}  ",
+        "hard_negative_document_1": f"Hard negative one {i}.\nLine two.",
+        "hard_negative_document_2": f"\tHard negative two {i}.\n",
+    }
+
+
+def clean_row(i: int) -> dict:
+    """The expected cleaned record for ``raw_row(i)``."""
+    return {
+        "instruction_positive": f"Find passages about topic {i}.",
+        "query_positive": f"what is thing {i}?",
+        "document_positive": f"Positive passage {i}.\nIt has two lines.",
+        "instruction_negative": f"Find passages NOT about topic {i}.",
+        "query_negative": f"what is not thing {i}",
+        "hard_negative_document_1": f"Hard negative one {i}.\nLine two.",
+        "hard_negative_document_2": f"Hard negative two {i}.",
+    }
+
+
+def legacy(row: dict) -> dict:
+    """Rename document_positive -> document (older copies of the corpus)."""
+    row = dict(row)
+    row["document"] = row.pop("document_positive")
+    return row
+
+
+def write_parquet(path, rows) -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path, index=False)
+    return str(path)
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def write_json(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows, f)
+    return str(path)
+
+
+WRITERS = {"parquet": write_parquet, "jsonl": write_jsonl, "json": write_json}
+
+
+# ---------------------------------------------------------------------------
+# Loading each format
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_load_each_format_gives_cleaned_records(tmp_path, fmt):
+    path = WRITERS[fmt](tmp_path / f"msmarco.{fmt}", [raw_row(i) for i in range(4)])
+    records = load_inf_ir(path, "msmarco")
+    assert records == [clean_row(i) for i in range(4)]
+    assert all(list(r) == list(FIELDS) for r in records)
+
+
+@pytest.mark.parametrize("fmt", sorted(WRITERS))
+def test_legacy_document_column_auto(tmp_path, fmt):
+    path = WRITERS[fmt](tmp_path / f"robust04.{fmt}", [legacy(raw_row(i)) for i in range(3)])
+    assert load_inf_ir(path, "robust04") == [clean_row(i) for i in range(3)]
+
+
+def test_legacy_document_column_explicit_map(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", [legacy(raw_row(i)) for i in range(2)])
+    assert load_inf_ir(path, "msmarco", field_map=LEGACY_FIELD_MAP) == [clean_row(i) for i in range(2)]
+    assert load_inf_ir(path, "msmarco", field_map={"document_positive": "document"}) == [
+        clean_row(i) for i in range(2)
+    ]
+
+
+def test_user_field_map_renames_columns(tmp_path):
+    rows = []
+    for i in range(2):
+        row = raw_row(i)
+        row["q"] = row.pop("query_positive")
+        rows.append(row)
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    assert load_inf_ir(path, "leetcode", field_map={"query_positive": "q"}) == [clean_row(i) for i in range(2)]
+
+
+def test_limit_takes_first_rows(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", [raw_row(i) for i in range(5)])
+    assert load_inf_ir(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
+    assert load_inf_ir(path, "msmarco", limit=0) == []
+    assert len(load_inf_ir(path, "msmarco", limit=50)) == 5
+    with pytest.raises(ValueError, match="limit"):
+        load_inf_ir(path, "msmarco", limit=-1)
+
+
+def test_limit_applies_before_cleaning(tmp_path):
+    rows = [raw_row(0), raw_row(1), {**raw_row(2), "query_negative": "   "}]
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    assert load_inf_ir(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
+
+
+def test_rewritten_file_is_not_served_from_cache(tmp_path):
+    path = tmp_path / "x.parquet"
+    write_parquet(path, [raw_row(0)])
+    assert load_inf_ir(str(path), "msmarco") == [clean_row(0)]
+    write_parquet(path, [raw_row(7), raw_row(8)])
+    assert load_inf_ir(str(path), "msmarco") == [clean_row(7), clean_row(8)]
+    jpath = tmp_path / "x.jsonl"
+    write_jsonl(jpath, [raw_row(1)])
+    assert load_inf_ir(str(jpath), "msmarco") == [clean_row(1)]
+    write_jsonl(jpath, [raw_row(2)])
+    assert load_inf_ir(str(jpath), "msmarco") == [clean_row(2)]
+
+
+# ---------------------------------------------------------------------------
+# Cleaning rules
+# ---------------------------------------------------------------------------
+
+
+def test_newline_cut_for_instructions_and_queries_only():
+    raw = {name: f"{name} first\n{name} second" for name in FIELDS}
+    record = clean_record(raw, field_map=None, split="msmarco", row=0)
+    for name in ("instruction_positive", "query_positive", "instruction_negative", "query_negative"):
+        assert record[name] == f"{name} first"
+    for name in ("document_positive", "hard_negative_document_1", "hard_negative_document_2"):
+        assert record[name] == f"{name} first\n{name} second"
+
+
+def test_leading_blank_line_keeps_first_text_line():
+    raw = {**raw_row(0), "query_positive": "\n  real query\nmore"}
+    assert clean_record(raw, field_map=None, split="s", row=0)["query_positive"] == "real query"
+
+
+def test_clean_record_legacy_keys_auto():
+    assert clean_record(legacy(raw_row(3)), field_map=None, split="s", row=0) == clean_row(3)
+
+
+# ---------------------------------------------------------------------------
+# Bad rows
+# ---------------------------------------------------------------------------
+
+
+BAD_VALUES = {
+    "none": (None, "None"),
+    "integer": (5, "int"),
+    "whitespace": ("  \n\t ", "empty after cleaning"),
+}
+
+
+@pytest.mark.parametrize("kind", ["none", "integer", "whitespace"])
+def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
+    value, reason = BAD_VALUES[kind]
+    rows = [raw_row(i) for i in range(4)]
+    rows[2]["query_negative"] = value
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(path, "msmarco")
+    err = info.value
+    assert (err.split, err.row, err.field) == ("msmarco", 2, "query_negative")
+    message = str(err)
+    assert "'msmarco'" in message and "row 2" in message and "'query_negative'" in message
+    assert reason in message
+
+
+def test_none_in_parquet_raises(tmp_path):
+    rows = [raw_row(i) for i in range(3)]
+    rows[1]["hard_negative_document_2"] = None
+    path = write_parquet(tmp_path / "x.parquet", rows)
+    with pytest.raises(BadRowError, match=r"split 'robust04' row 1, field 'hard_negative_document_2'"):
+        load_inf_ir(path, "robust04")
+
+
+def test_integer_column_in_parquet_raises(tmp_path):
+    rows = [raw_row(i) for i in range(2)]
+    for i, row in enumerate(rows):
+        row["instruction_negative"] = 10 + i
+    path = write_parquet(tmp_path / "x.parquet", rows)
+    with pytest.raises(BadRowError, match=r"row 0, field 'instruction_negative'.*int"):
+        load_inf_ir(path, "leetcode")
+
+
+def test_missing_field_in_one_jsonl_row_raises(tmp_path):
+    rows = [raw_row(i) for i in range(3)]
+    del rows[1]["instruction_positive"]
+    path = write_jsonl(tmp_path / "x.jsonl", rows)
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(path, "metamath")
+    assert (info.value.split, info.value.row, info.value.field) == ("metamath", 1, "instruction_positive")
+    assert "row 1" in str(info.value) and "'instruction_positive'" in str(info.value)
+
+
+def test_missing_field_in_clean_record():
+    raw = raw_row(0)
+    del raw["hard_negative_document_1"]
+    with pytest.raises(BadRowError) as info:
+        clean_record(raw, field_map=DEFAULT_FIELD_MAP, split="msmarco", row=9)
+    assert str(info.value) == (
+        "InF-IR split 'msmarco' row 9, field 'hard_negative_document_1' "
+        "(source column 'hard_negative_document_1'): missing from the row"
+    )
+    assert info.value.reason == "missing from the row"
+
+
+def test_empty_message_format_and_source_column():
+    raw = {**legacy(raw_row(0)), "document": " \n "}
+    with pytest.raises(BadRowError) as info:
+        clean_record(raw, field_map=None, split="msmarco", row=17)
+    assert str(info.value) == (
+        "InF-IR split 'msmarco' row 17, field 'document_positive' (source column 'document'): "
+        "empty after cleaning"
+    )
+    assert isinstance(info.value, ValueError)
+
+
+def test_query_whose_first_line_is_blank_after_strip_is_bad():
+    # After stripping, a query that is only whitespace lines is empty.
+    raw = {**raw_row(0), "query_positive": "\n\n   \n"}
+    with pytest.raises(BadRowError, match="empty after cleaning"):
+        clean_record(raw, field_map=None, split="s", row=0)
+
+
+def test_missing_column_is_reported_up_front(tmp_path):
+    rows = [raw_row(i) for i in range(2)]
+    for row in rows:
+        del row["hard_negative_document_2"]
+    path = write_parquet(tmp_path / "x.parquet", rows)
+    for on_bad_row in ("error", "skip"):
+        with pytest.raises(MissingColumnError) as info:
+            load_inf_ir(path, "msmarco", on_bad_row=on_bad_row)
+        message = str(info.value)
+        assert isinstance(info.value, ValueError)
+        assert "'msmarco'" in message and "'hard_negative_document_2'" in message
+        assert "query_positive" in message  # lists the columns present
+        assert info.value.column == "hard_negative_document_2"
+
+
+def test_missing_mapped_column_names_source_column(tmp_path):
+    path = write_parquet(tmp_path / "x.parquet", [raw_row(0)])
+    with pytest.raises(MissingColumnError, match=r"field 'query_positive'.*'nope'"):
+        load_inf_ir(path, "msmarco", field_map={"query_positive": "nope"})
+
+
+def test_skip_returns_good_rows_in_order_and_count(caplog):
+    rows = [raw_row(i) for i in range(7)]
+    rows[1]["query_positive"] = None
+    rows[3]["instruction_negative"] = 42
+    del rows[4]["document_positive"]
+    rows[6]["hard_negative_document_1"] = " \t "
+    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
+        records, n_skipped = clean_records(rows, split="msmarco", on_bad_row="skip")
+    assert n_skipped == 4
+    assert records == [clean_row(0), clean_row(2), clean_row(5)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "skipped 4" in warnings[0] and "'msmarco'" in warnings[0]
+    assert "row 1" in warnings[0] and "'query_positive'" in warnings[0]
+    assert "row 3" in warnings[0] and "'instruction_negative'" in warnings[0]
+
+
+def test_skip_through_load_logs_warning(tmp_path, caplog):
+    rows = [raw_row(i) for i in range(5)]
+    rows[0]["query_negative"] = ""
+    rows[3]["query_positive"] = None
+    path = write_parquet(tmp_path / "x.parquet", rows)
+    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
+        records = load_inf_ir(path, "msmarco", on_bad_row="skip")
+    assert records == [clean_row(1), clean_row(2), clean_row(4)]
+    assert any("skipped 2" in r.getMessage() for r in caplog.records)
+
+
+def test_no_warning_when_nothing_skipped(caplog):
+    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
+        records, n_skipped = clean_records([raw_row(0)], split="s", on_bad_row="skip")
+    assert (len(records), n_skipped) == (1, 0)
+    assert not caplog.records
+
+
+def test_error_mode_raises_on_first_bad_row():
+    rows = [raw_row(0), {**raw_row(1), "query_positive": None}, {**raw_row(2), "query_negative": None}]
+    with pytest.raises(BadRowError) as info:
+        clean_records(rows, split="s")
+    assert info.value.row == 1
+
+
+def test_invalid_on_bad_row(tmp_path):
+    with pytest.raises(ValueError, match=r"'error'.*'skip'"):
+        clean_records([raw_row(0)], split="s", on_bad_row="drop")
+    path = write_jsonl(tmp_path / "x.jsonl", [raw_row(0)])
+    with pytest.raises(ValueError, match=r"'error'.*'skip'"):
+        load_inf_ir(path, "s", on_bad_row="ignore")
+
+
+# ---------------------------------------------------------------------------
+# Field maps
+# ---------------------------------------------------------------------------
+
+
+def test_field_map_constants():
+    assert FIELDS == (
+        "instruction_positive",
+        "query_positive",
+        "document_positive",
+        "instruction_negative",
+        "query_negative",
+        "hard_negative_document_1",
+        "hard_negative_document_2",
+    )
+    assert DEFAULT_FIELD_MAP == {f: f for f in FIELDS}
+    assert LEGACY_FIELD_MAP == {**DEFAULT_FIELD_MAP, "document_positive": "document"}
+
+
+def test_resolve_field_map():
+    assert resolve_field_map(None, list(FIELDS)) == DEFAULT_FIELD_MAP
+    assert resolve_field_map(None, list(legacy({f: "" for f in FIELDS}))) == LEGACY_FIELD_MAP
+    both = list(FIELDS) + ["document"]
+    assert resolve_field_map(None, both) == DEFAULT_FIELD_MAP
+    assert resolve_field_map({"query_positive": "q"}, list(FIELDS))["query_positive"] == "q"
+    assert resolve_field_map({"query_positive": "q"}, list(FIELDS))["document_positive"] == "document_positive"
+    with pytest.raises(ValueError, match="query_postive"):
+        resolve_field_map({"query_postive": "q", "document_positive": "d"}, list(FIELDS))
+
+
+def test_unknown_field_map_key_in_load(tmp_path):
+    path = write_jsonl(tmp_path / "x.jsonl", [raw_row(0)])
+    with pytest.raises(ValueError, match="passage"):
+        load_inf_ir(path, "msmarco", field_map={"passage": "document_positive"})
+
+
+# ---------------------------------------------------------------------------
+# Folders and hub ids
+# ---------------------------------------------------------------------------
+
+
+def test_folder_in_hub_layout_loads_by_split(tmp_path):
+    root = tmp_path / "InF-IR"
+    write_parquet(root / "data" / "msmarco-00000-of-00001.parquet", [raw_row(i) for i in range(3)])
+    write_parquet(root / "data" / "robust04-00000-of-00001.parquet", [raw_row(i) for i in range(10, 12)])
+    assert load_inf_ir(str(root), "msmarco") == [clean_row(i) for i in range(3)]
+    assert load_inf_ir(str(root), "robust04") == [clean_row(10), clean_row(11)]
+    with pytest.raises(FileNotFoundError, match=r"'leetcode'.*msmarco-00000-of-00001\.parquet"):
+        load_inf_ir(str(root), "leetcode")
+
+
+def test_flat_folder_uses_files_starting_with_split(tmp_path):
+    write_jsonl(tmp_path / "leetcode.jsonl", [raw_row(0)])
+    write_jsonl(tmp_path / "metamath.jsonl", [raw_row(1)])
+    assert load_inf_ir(str(tmp_path), "metamath") == [clean_row(1)]
+    with pytest.raises(FileNotFoundError, match=r"leetcode\.jsonl"):
+        load_inf_ir(str(tmp_path), "msmarco")
+
+
+def test_nonexistent_path_raises_file_not_found(tmp_path):
+    missing = str(tmp_path / "nope" / "msmarco.parquet")
+    with pytest.raises(FileNotFoundError) as info:
+        load_inf_ir(missing, "msmarco")
+    assert missing in str(info.value) and "'msmarco'" in str(info.value)
+
+
+def test_unknown_hub_id_offline_raises_file_not_found():
+    assert os.environ.get("HF_DATASETS_OFFLINE") == "1"
+    hub_id = "infjax-test-nobody/no-such-dataset"
+    with pytest.raises(FileNotFoundError) as info:
+        load_inf_ir(hub_id, "msmarco")
+    message = str(info.value)
+    assert hub_id in message and "'msmarco'" in message
+    assert "local" in message and ".parquet" in message
+
+
+# ---------------------------------------------------------------------------
+# Flattening
+# ---------------------------------------------------------------------------
+
+
+def test_flatten_record_order():
+    record = {
+        "instruction_positive": "I+",
+        "query_positive": "Q+",
+        "document_positive": "P+",
+        "instruction_negative": "I-",
+        "query_negative": "Q-",
+        "hard_negative_document_1": "P1-",
+        "hard_negative_document_2": "P2-",
+    }
+    assert flatten_record(record) == [("I+", "Q+", "P+"), ("I-", "Q+", "P1-"), ("I+", "Q-", "P2-")]
+    assert flatten_record_no_hard_negatives(record) == [("I+", "Q+", "P+")]
