@@ -40,14 +40,17 @@ def load_training_records(data_config, seed: int) -> list[dict]:
     field_map = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}[data_config.field_map]
     records = []
     for split in [s.strip() for s in data_config.splits.split(",") if s.strip()]:
-        records += load_inf_ir(data_config.source, split, field_map=field_map, on_bad_row=data_config.on_bad_row,
-                               limit=data_config.limit or None)
+        try:
+            records += load_inf_ir(data_config.source, split, field_map=field_map,
+                                   on_bad_row=data_config.on_bad_row, limit=data_config.limit or None)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"config.data.source={data_config.source!r}: {e}") from e
     return records
 
 
 def eval_split(config):
     s = config.data.synthetic
-    return synthetic.make_synthetic(s.seed, 1, s.num_eval_queries, s.pool_size)[1]
+    return synthetic.make_eval_split(s.num_eval_queries, s.seed, s.pool_size, synthetic.split_topics(s.seed)[1])
 
 
 def check_workdir(workdir: str, resume: bool) -> None:
@@ -89,8 +92,8 @@ def run(config, workdir: str) -> dict:
     check_workdir(workdir, config.resume)
 
     # Data and model: files are read here, before anything compiles.
-    records = load_training_records(config.data, config.train.seed)
     encoder, params, model_path = load_encoder(config.model)
+    records = load_training_records(config.data, config.train.seed)
     tokenizer = Tokenizer(model_path, padding_side="right")
     fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
     objective = losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
@@ -192,10 +195,13 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+    from infjax.data.inf_ir import BadRowError, MissingColumnError
+
     try:
         run(config, workdir or os.path.join("runs", config.objective))
-    except (config_lib.ConfigError, FileNotFoundError, FileExistsError, PermissionError, ValueError) as e:
-        log.error("%s", e)
+    except (config_lib.ConfigError, BadRowError, MissingColumnError, FileNotFoundError, FileExistsError,
+            PermissionError) as e:
+        log.error("%s", e)      # a user-facing error: the message names the key, file, row or field
         sys.exit(2)
 
 

@@ -41,7 +41,7 @@ def make_train_step(encoder: Encoder, objective: losses.Objective, optimizer: op
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch, rng)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), learning_rate=schedule(state.step))
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), learning_rate=schedule(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step

