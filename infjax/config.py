@@ -29,6 +29,17 @@ PRESETS = {
                     "data.query_prefix": "query: ", "data.passage_prefix": "passage: "},
     "bge-base-en-v1.5": {"model.checkpoint": "BAAI/bge-base-en-v1.5", "model.pooling": "cls"},
     "bge-large-en-v1.5": {"model.checkpoint": "BAAI/bge-large-en-v1.5", "model.pooling": "cls"},
+    "modernbert-base": {"model.checkpoint": "answerdotai/ModernBERT-base", "model.pooling": "mean"},
+    # Decoders pad on the left and pool the last token; remat keeps activation memory per layer.
+    "llama-3.2-1b": {"model.checkpoint": "meta-llama/Llama-3.2-1B", "model.pooling": "last",
+                     "model.remat": True},
+    "llama-3.2-1b-instruct": {"model.checkpoint": "meta-llama/Llama-3.2-1B-Instruct", "model.pooling": "last",
+                              "model.remat": True},
+    "qwen2.5-1.5b": {"model.checkpoint": "Qwen/Qwen2.5-1.5B", "model.pooling": "last", "model.remat": True},
+    "qwen2.5-1.5b-instruct": {"model.checkpoint": "Qwen/Qwen2.5-1.5B-Instruct", "model.pooling": "last",
+                              "model.remat": True},
+    "qwen2.5-3b": {"model.checkpoint": "Qwen/Qwen2.5-3B", "model.pooling": "last", "model.remat": True},
+    "qwen2.5-7b": {"model.checkpoint": "Qwen/Qwen2.5-7B", "model.pooling": "last", "model.remat": True},
 }
 HUB_DATA = {"data.source": "InF-IR/InF-IR", "data.splits": "msmarco",
             "data.query_max_len": 256, "data.passage_max_len": 512,
@@ -48,14 +59,21 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.loss.temperature = 0.05          # tau in sim = <x, y> / tau
     c.loss.positive_once = False       # multivariate: count the positive once instead of |T| times
     c.loss.instruction_negatives = 5   # K instructions drawn per row for the I-marginal
+    c.loss.convention = "paper"        # paper | reference: read the objective name as the reference
+                                       # PyTorch code defines it (its uni = our multi + positive_once,
+                                       # its multi = our uni); see losses.reference_objective
 
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = EMBEDDED      # local folder, hub id, or "embedded:all-MiniLM-L6-v2"
-    c.model.family = "bert"            # backbone family (bert for now)
+    c.model.family = "auto"            # auto (from config.json's model_type) | bert | modernbert | llama | qwen2
     c.model.pooling = "mean"           # mean | cls | last
     c.model.shared_encoder = True      # one theta for passages and instruction-queries
     c.model.dtype = "float32"          # compute dtype: float32 | bfloat16 (params stay float32)
     c.model.dropout = False            # apply the checkpoint's dropout during training
+    c.model.interaction = "concat"     # concat: iq = g(template(I, Q)) (Interaction I) | cross_attention:
+                                       # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
+    c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
+    c.model.scan_layers = False        # run layers with nn.scan (one compiled layer; not for bert)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)
@@ -84,6 +102,7 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.train.weight_decay = 0.0         # AdamW weight decay
     c.train.grad_clip = 1.0            # global-norm clipping (0 = off)
     c.train.seed = 42                  # root seed: data order, instruction negatives, dropout
+    c.train.nonfinite = "skip"         # a non-finite loss or gradient: skip the update (counted) | stop
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1                   # data-parallel axis size (-1 = all devices)
@@ -93,6 +112,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 500           # steps between checkpoints (one is always written at the end)
     c.checkpoint.max_to_keep = 3       # checkpoints kept in WORKDIR/checkpoints
+    c.checkpoint.async_save = True     # write checkpoints in the background while training goes on
+    c.checkpoint.fallback = False      # resume: if the latest checkpoint is unreadable, use the newest readable
 
     c.eval = ml_collections.ConfigDict()
     c.eval.synthetic = True            # p-MRR / nDCG@5 on the synthetic split before and after training
@@ -111,6 +132,33 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     return c
 
 
+# Keys that may differ between a checkpoint's config and the config that resumes it.
+RESUMABLE_CHANGES = ("resume", "preset", "log_every", "train.steps", "train.epochs", "train.nonfinite",
+                     "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def incompatible_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
+    """(key, saved value, new value) for every key that may not change on resume."""
+    a, b = _flatten(saved), _flatten(current)
+    diffs = []
+    for key in sorted(set(a) | set(b)):
+        if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            diffs.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
+    return diffs
+
+
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
@@ -124,13 +172,26 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     """Refuse values that cannot work, naming the key. Cheap: touches no file or device."""
     _check(c.objective in OBJECTIVES, "objective", c.objective, f"unknown objective; choose one of {sorted(OBJECTIVES)}")
     _check(c.loss.temperature > 0, "loss.temperature", c.loss.temperature, "must be > 0")
+    _check(c.loss.convention in ("paper", "reference"), "loss.convention", c.loss.convention,
+           "must be paper or reference")
+    _check(not (c.loss.convention == "reference" and c.loss.positive_once), "loss.positive_once",
+           c.loss.positive_once, "is fixed by loss.convention='reference'; leave it False")
     _check(c.loss.instruction_negatives >= 0, "loss.instruction_negatives", c.loss.instruction_negatives, "must be >= 0")
-    if "i" in OBJECTIVES[c.objective][1]:
+    if "i" in OBJECTIVES[c.objective][1] and c.model.interaction == "concat":
         _check(c.loss.instruction_negatives >= 1, "loss.instruction_negatives", c.loss.instruction_negatives,
                f"objective {c.objective} uses the I-marginal and needs at least one instruction negative")
-    _check(c.model.family == "bert", "model.family", c.model.family, "only 'bert' is available so far")
+    from infjax.models.encoder import FAMILIES
+
+    _check(c.model.family in ("auto",) + FAMILIES, "model.family", c.model.family,
+           f"must be auto or one of {list(FAMILIES)}")
+    _check(c.model.interaction in ("concat", "cross_attention"), "model.interaction", c.model.interaction,
+           "must be concat or cross_attention")
     _check(c.model.pooling in ("mean", "cls", "last"), "model.pooling", c.model.pooling, "must be mean, cls or last")
     _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "must be float32 or bfloat16")
+    for key in ("remat", "scan_layers"):
+        _check(isinstance(c.model[key], bool), f"model.{key}", c.model[key], "must be True or False")
+    _check(not (c.model.family == "bert" and c.model.scan_layers), "model.scan_layers", c.model.scan_layers,
+           "is not available for the bert family")
     _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
            "must name a local folder, a hub id, or " + EMBEDDED)
     _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
@@ -156,6 +217,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.train.warmup_steps >= 0, "train.warmup_steps", c.train.warmup_steps, "must be >= 0")
     _check(c.train.weight_decay >= 0, "train.weight_decay", c.train.weight_decay, "must be >= 0")
     _check(c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip, "must be >= 0 (0 = off)")
+    _check(c.train.nonfinite in ("skip", "stop"), "train.nonfinite", c.train.nonfinite, "must be skip or stop")
     _check(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
     _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")

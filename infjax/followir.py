@@ -10,18 +10,28 @@ from infjax.data.tokenize import TextFormat
 from infjax.metrics import p_mrr, trec_metrics
 
 EmbedFn = Callable[[list[str]], np.ndarray]   # texts -> normalized embeddings [N, d]
+PairEmbedFn = Callable[[list[str], list[str]], np.ndarray]   # (instructions, queries) -> iq embeddings
 
 
 def rerank(split: FollowIRSplit, embed_query: EmbedFn, embed_passage: EmbedFn, fmt: TextFormat
            ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
-    """Runs {qid: {doc id: cosine}} under the original and under the changed instruction."""
+    """Runs {qid: {doc id: cosine}} under the original and under the changed instruction,
+    the instruction-aware query being one text (Interaction I: the template)."""
+    def embed_pairs(instructions, queries):
+        return embed_query([fmt.query(i, q) for i, q in zip(instructions, queries)])
+    return rerank_pairs(split, embed_pairs, embed_passage, fmt)
+
+
+def rerank_pairs(split: FollowIRSplit, embed_pairs: PairEmbedFn, embed_passage: EmbedFn, fmt: TextFormat
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Like `rerank`, for any way of embedding (instruction, query) pairs (e.g. Interaction II)."""
     qids = sorted(split.queries)
     doc_ids = sorted(split.corpus)
     docs = embed_passage([fmt.passage(split.corpus[d]) for d in doc_ids])
     row = {d: i for i, d in enumerate(doc_ids)}
     runs = []
     for instructions in (split.instructions_og, split.instructions_changed):
-        queries = embed_query([fmt.query(instructions[q], split.queries[q]) for q in qids])
+        queries = embed_pairs([instructions[q] for q in qids], [split.queries[q] for q in qids])
         run = {}
         for qi, q in enumerate(qids):
             pool = split.candidates[q]

@@ -68,30 +68,47 @@ class Objective:
         return "i" in self.sets
 
 
+def score_dtype(*xs: jax.Array):
+    """At least float32, whatever the compute dtype (bf16 embeddings give float32 scores)."""
+    return jnp.result_type(jnp.float32, *xs)
+
+
 def scores(x: jax.Array, y: jax.Array, temperature: float) -> jax.Array:
-    """sim(x_r, y_m) = <x_r, y_m> / tau for L2-normalized rows, in float32: [R, M]."""
-    dot = jnp.einsum("rd,md->rm", x, y, preferred_element_type=jnp.float32)
+    """sim(x_r, y_m) = <x_r, y_m> / tau for L2-normalized rows, in (at least) float32: [R, M]."""
+    dot = jnp.einsum("rd,md->rm", x, y, preferred_element_type=score_dtype(x, y))
     return dot / temperature
 
 
 def instruction_scores(iq_neg: jax.Array, p: jax.Array, temperature: float) -> jax.Array:
     """sim(iq(j->r), p_r) for each row's K instruction negatives: [R, K, d] x [R, d] -> [R, K]."""
-    dot = jnp.einsum("rkd,rd->rk", iq_neg, p, preferred_element_type=jnp.float32)
+    dot = jnp.einsum("rkd,rd->rk", iq_neg, p, preferred_element_type=score_dtype(iq_neg, p))
     return dot / temperature
 
 
-def marginal_logits(iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None,
-                    temperature: float) -> dict[str, jax.Array]:
+def marginal_logits(iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None, temperature: float,
+                    i_cos: jax.Array | None = None, i_valid: jax.Array | None = None) -> dict[str, jax.Array]:
     """The positive logits and the three marginal sets as matrices.
 
+    Instruction negatives come either as embeddings `iq_neg` [R, K, d]
+    (Interaction I: g(template(I_j, Q_r)) for K drawn instructions) or as
+    cosines `i_cos` [R, M] with a validity mask `i_valid` (Interaction II:
+    all in-batch instructions, duplicates of the row's own masked out).
+
     Returns {"pos": [R], "p": [R, R] (row r = set of row r), "iq": [R, R]
-    (row r = column r of S), "i": [R, K+1] (column 0 = the positive)}.
+    (row r = column r of S), "i": [R, 1+K] or [R, 1+M] (column 0 = the positive)}.
     """
     s = scores(iq, p, temperature)
     pos = jnp.diagonal(s)
     logits = {"pos": pos, "p": s, "iq": s.T}
     if iq_neg is not None:
-        logits["i"] = jnp.concatenate([pos[:, None], instruction_scores(iq_neg, p, temperature)], axis=1)
+        negatives = instruction_scores(iq_neg, p, temperature)
+    elif i_cos is not None:
+        negatives = jnp.asarray(i_cos, pos.dtype) / temperature
+        if i_valid is not None:
+            negatives = jnp.where(i_valid, negatives, -jnp.inf)
+    else:
+        return logits
+    logits["i"] = jnp.concatenate([pos[:, None], negatives], axis=1)
     return logits
 
 
@@ -128,12 +145,15 @@ def multivariate(logits: dict[str, jax.Array], sets: tuple[str, ...], positive_o
     return lse - logits["pos"]
 
 
-def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array,
-                 iq_neg: jax.Array | None = None) -> jax.Array:
-    """The objective's loss for every row of the global batch: [R] float32."""
-    if objective.needs_instruction_negatives and iq_neg is None:
-        raise ValueError(f"objective with sets {objective.sets} needs instruction negatives (iq_neg)")
-    logits = marginal_logits(iq, p, iq_neg, objective.temperature)
+def objective_logits(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None,
+                     i_cos: jax.Array | None = None, i_valid: jax.Array | None = None) -> dict[str, jax.Array]:
+    if objective.needs_instruction_negatives and iq_neg is None and i_cos is None:
+        raise ValueError(f"objective with sets {objective.sets} needs instruction negatives (iq_neg or i_cos)")
+    return marginal_logits(iq, p, iq_neg, objective.temperature, i_cos, i_valid)
+
+
+def combine(objective: Objective, logits: dict[str, jax.Array]) -> jax.Array:
+    """Per-row loss [R] from the marginal sets: univariate or multivariate."""
     if objective.kind == "uni":
         return univariate(logits, objective.sets)
     if objective.kind == "multi":
@@ -141,13 +161,48 @@ def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array,
     raise ValueError(f"objective kind must be 'uni' or 'multi', got {objective.kind!r}")
 
 
-def contrastive_loss(objective: Objective, iq: jax.Array, p: jax.Array,
-                     iq_neg: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean loss over the global batch, plus step metrics."""
-    rows = per_row_loss(objective, iq, p, iq_neg)
-    s = scores(iq, p, objective.temperature)
-    metrics = {
-        "p_top1": jnp.mean(jnp.argmax(s, axis=1) == jnp.arange(s.shape[0])),
-        "pos_sim": jnp.mean(jnp.diagonal(s)) * objective.temperature,
+def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None = None,
+                 i_cos: jax.Array | None = None, i_valid: jax.Array | None = None) -> jax.Array:
+    """The objective's loss for every row of the global batch: [R] float32."""
+    return combine(objective, objective_logits(objective, iq, p, iq_neg, i_cos, i_valid))
+
+
+def reference_objective(name: str, temperature: float = 0.05) -> Objective:
+    """The reference PyTorch code's definition of objective `name`, in our terms (SPEC §3).
+
+    Its "univariate" is one softmax over the concatenated blocks with the
+    positive's duplicates masked: our multivariate with `positive_once`. Its
+    "multivariate" is a sum of separate cross-entropies: our univariate. (It
+    also divides by tau + 1e-4: pass temperature=tau + 1e-4 to match its numbers.)
+    """
+    ours = Objective.from_name(name, temperature)
+    if len(ours.sets) == 1:
+        return ours
+    if ours.kind == "uni":
+        return Objective("multi", ours.sets, temperature, positive_once=True)
+    return Objective("uni", ours.sets, temperature)
+
+
+def set_metrics(logits: dict[str, jax.Array], t: str, temperature: float) -> dict[str, jax.Array]:
+    """Diagnostics of one marginal set: its own contrastive term, in-batch top-1 accuracy,
+    mean positive similarity and mean hardest-negative similarity (cosines)."""
+    a = logits[t]
+    positive = _positive_mask(t, a)
+    hardest = jnp.max(jnp.where(positive, -jnp.inf, a), axis=1)
+    return {
+        f"{t}/loss": jnp.mean(set_logsumexp(logits, t) - logits["pos"]),
+        f"{t}/top1": jnp.mean(jnp.all(jnp.where(positive, True, a < logits["pos"][:, None]), axis=1)),
+        f"{t}/pos_sim": jnp.mean(logits["pos"]) * temperature,
+        f"{t}/hard_neg_sim": jnp.mean(hardest) * temperature,
     }
-    return jnp.mean(rows), metrics
+
+
+def contrastive_loss(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None = None,
+                     i_cos: jax.Array | None = None, i_valid: jax.Array | None = None
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the global batch, plus per-set step metrics."""
+    logits = objective_logits(objective, iq, p, iq_neg, i_cos, i_valid)
+    metrics = {}
+    for t in objective.sets:
+        metrics.update(set_metrics(logits, t, objective.temperature))
+    return jnp.mean(combine(objective, logits)), metrics

@@ -27,16 +27,16 @@ def rank_change_score(rank_og: int, rank_new: int) -> float:
     return 1.0 - rank_og / rank_new
 
 
-def p_mrr(run_og: dict[str, dict[str, float]], run_new: dict[str, dict[str, float]],
-          qrels_og: dict[str, dict[str, int]], qrels_new: dict[str, dict[str, int]]) -> float:
-    """Pairwise MRR (FollowIR), x100.
+def p_mrr_per_query(run_og: dict[str, dict[str, float]], run_new: dict[str, dict[str, float]],
+                    qrels_og: dict[str, dict[str, int]], qrels_new: dict[str, dict[str, int]]) -> dict[str, float]:
+    """Per-query p-MRR terms (x100): {query id: mean rank-change score over its changed documents}.
 
     For each query, over the documents whose relevance differs between the
     original and changed qrels: the mean of `rank_change_score`; a document
     missing from a run gets rank |run| + 1. Queries with no such document are
-    left out; the result is the mean over the remaining queries.
+    left out.
     """
-    per_query = []
+    per_query = {}
     for qid in sorted(qrels_og):
         changed = [d for d in sorted(set(qrels_og[qid]) | set(qrels_new.get(qid, {})))
                    if qrels_og[qid].get(d, 0) != qrels_new.get(qid, {}).get(d, 0)]
@@ -44,10 +44,18 @@ def p_mrr(run_og: dict[str, dict[str, float]], run_new: dict[str, dict[str, floa
             continue
         r_og, r_new = ranks(run_og.get(qid, {})), ranks(run_new.get(qid, {}))
         miss_og, miss_new = len(r_og) + 1, len(r_new) + 1
-        per_query.append(np.mean([rank_change_score(r_og.get(d, miss_og), r_new.get(d, miss_new)) for d in changed]))
+        per_query[qid] = 100.0 * float(np.mean([rank_change_score(r_og.get(d, miss_og), r_new.get(d, miss_new))
+                                                for d in changed]))
+    return per_query
+
+
+def p_mrr(run_og: dict[str, dict[str, float]], run_new: dict[str, dict[str, float]],
+          qrels_og: dict[str, dict[str, int]], qrels_new: dict[str, dict[str, int]]) -> float:
+    """Pairwise MRR (FollowIR), x100: the mean over queries of `p_mrr_per_query`."""
+    per_query = p_mrr_per_query(run_og, run_new, qrels_og, qrels_new)
     if not per_query:
         raise ValueError("p-MRR: no query has a document whose relevance differs between the two qrels")
-    return 100.0 * float(np.mean(per_query))
+    return float(np.mean(list(per_query.values())))
 
 
 def trec_metrics(qrels: dict[str, dict[str, int]], run: dict[str, dict[str, float]],

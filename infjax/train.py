@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 
 import jax
@@ -22,8 +24,9 @@ from infjax import config as config_lib
 from infjax import losses
 from infjax.data import batches, synthetic
 from infjax.data.tokenize import TextFormat, Tokenizer
-from infjax.followir import followir_metrics, rerank
+from infjax.followir import followir_metrics, rerank, rerank_pairs
 from infjax.inference import TextEmbedder
+from infjax.interaction_inference import CrossAttentionQueryEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
 from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, step as step_lib
 
@@ -48,16 +51,19 @@ def load_training_records(data_config, seed: int) -> list[dict]:
     return records
 
 
+def make_objective(config) -> losses.Objective:
+    if config.loss.convention == "reference":
+        return losses.reference_objective(config.objective, config.loss.temperature)
+    return losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+
+
 def eval_split(config):
     s = config.data.synthetic
     return synthetic.make_eval_split(s.num_eval_queries, s.seed, s.pool_size, synthetic.split_topics(s.seed)[1])
 
 
-def check_workdir(workdir: str, resume: bool) -> None:
-    """The workdir must be writable; without resume it must not hold an earlier run's checkpoints."""
-    os.makedirs(workdir, exist_ok=True)
-    if not os.access(workdir, os.W_OK):
-        raise PermissionError(f"--workdir={workdir} is not writable")
+def check_resume_request(workdir: str, resume: bool) -> None:
+    """Without resume the workdir must not hold an earlier run's checkpoints; with it, it must."""
     ckpt = os.path.join(workdir, "checkpoints")
     has_ckpt = os.path.isdir(ckpt) and any(name.isdigit() for name in os.listdir(ckpt))
     if has_ckpt and not resume:
@@ -65,6 +71,34 @@ def check_workdir(workdir: str, resume: bool) -> None:
                               f"continue that run, or choose a new --workdir")
     if resume and not has_ckpt:
         raise FileNotFoundError(f"config.resume=True but {ckpt} holds no checkpoint to resume from")
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a non-finite loss or gradient under train.nonfinite='stop'."""
+
+
+class Preemption:
+    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):   # noqa: ARG002
+        self.received = signal.Signals(signum).name
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def total_steps(config, plan: batches.BatchPlan) -> int:
@@ -85,24 +119,28 @@ class MetricsWriter:
 
 
 def run(config, workdir: str) -> dict:
-    """Train per `config` in `workdir`; returns {"eval": ..., "final_step": ..., "losses": [...]}."""
+    """Train per `config` in `workdir`.
+
+    Returns {"eval", "final_step", "losses" [(step, loss)], "state", "preempted" (signal name or None)}.
+    """
     config_lib.validate(config, jax.device_count(), jax.process_count())
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), jax.devices()[0].platform)
-    check_workdir(workdir, config.resume)
+    check_resume_request(workdir, config.resume)
 
     # Data and model: files are read here, before anything compiles.
     encoder, params, model_path = load_encoder(config.model)
     records = load_training_records(config.data, config.train.seed)
-    tokenizer = Tokenizer(model_path, padding_side="right")
+    tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
     fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
-    objective = losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+    objective = make_objective(config)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    cross = config.model.interaction == "cross_attention"    # Interaction II: in-batch instruction pairs
     sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-               if objective.needs_instruction_negatives else None)
+               if objective.needs_instruction_negatives and not cross else None)
     build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
                                  config.data.passage_max_len, config.data.hard_negatives, sampler,
-                                 jax.process_index(), jax.process_count())
+                                 jax.process_index(), jax.process_count(), config.model.interaction)
     steps = total_steps(config, plan)
     log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
              build.global_rows, plan.steps_per_epoch, steps)
@@ -112,6 +150,7 @@ def run(config, workdir: str) -> dict:
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     repl = mesh_lib.replicated(mesh)
     abstract = jax.eval_shape(lambda p: state_lib.create_state(p, optimizer, config.train.seed), params)
+    checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(abstract))
     state_sharding = jax.tree.map(lambda _: repl, abstract)
     create = jax.jit(lambda p: state_lib.create_state(p, optimizer, config.train.seed), out_shardings=state_sharding)
     state = create(jax.device_put(params, repl))
@@ -119,11 +158,19 @@ def run(config, workdir: str) -> dict:
     train_step = step_lib.jit_train_step(
         step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout), mesh, state_sharding)
 
-    ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep)
+    config_json = json.loads(config.to_json_best_effort())
+    ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
     start = 0
     if config.resume:
-        start = ckpts.latest_step()
-        state, position = ckpts.restore(start, checkpoint.abstract_like(state))
+        def refuse_incompatible(step: int, saved: dict) -> None:
+            diffs = config_lib.incompatible_changes(saved, config_json)
+            if diffs:
+                lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, a, b in diffs)
+                raise config_lib.ConfigError(f"cannot resume from {ckpts.step_dir(step)}: the config changed in "
+                                             f"keys that must stay fixed for a run:\n{lines}")
+
+        start, state, position = ckpts.restore_newest_readable(checkpoint.abstract_like(state),
+                                                               config.checkpoint.fallback, refuse_incompatible)
         log.info("resumed from step %d (epoch %d, offset %d) in %s", start, position["epoch"],
                  position["offset"], ckpts.directory)
     if start >= steps:
@@ -132,11 +179,17 @@ def run(config, workdir: str) -> dict:
     # Evaluation before training.
     embedder = TextEmbedder(encoder, mesh, tokenizer, config.eval.batch_size)
     split = eval_split(config) if config.eval.synthetic else None
+    pair_embedder = CrossAttentionQueryEmbedder(encoder, mesh, tokenizer, fmt, config.eval.batch_size) \
+        if cross else None
 
     def evaluate(st) -> dict:
         qp, pp = query_params(st.params), passage_params(st.params)
-        runs = rerank(split, lambda t: embedder(qp, t, config.data.query_max_len),
-                      lambda t: embedder(pp, t, config.data.passage_max_len), fmt)
+        embed_passage = lambda t: embedder(pp, t, config.data.passage_max_len)   # noqa: E731
+        if cross:
+            runs = rerank_pairs(split, lambda i, q: pair_embedder(st.params, i, q, config.data.query_max_len),
+                                embed_passage, fmt)
+        else:
+            runs = rerank(split, lambda t: embedder(qp, t, config.data.query_max_len), embed_passage, fmt)
         return dict(followir_metrics(split, *runs), step=int(st.step))
 
     results = {}
@@ -146,29 +199,53 @@ def run(config, workdir: str) -> dict:
                  results["before"]["p_mrr"], results["before"]["ndcg@5"])
 
     writer = MetricsWriter(workdir)
-    config_json = json.loads(config.to_json_best_effort())
-    losses_seen = []
-    t_last, rows_since = time.perf_counter(), 0
+    losses_seen, preempted = [], None
+    t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
     progress = _progress(range(start, steps), start, steps)
-    for step in progress:
-        batch = mesh_lib.global_batch(build(step), mesh)
-        state, metrics = train_step(state, batch)
-        rows_since += build.global_rows
-        done = step + 1
-        if done % config.log_every == 0 or done == steps:
-            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            now = time.perf_counter()
-            metrics["examples_per_s"] = rows_since / (now - t_last)
-            t_last, rows_since = now, 0
-            losses_seen.append((done, metrics["loss"]))
-            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s", done, steps,
-                     metrics["loss"], metrics["learning_rate"], metrics["grad_norm"], metrics["examples_per_s"])
-            writer.write({"step": done, **metrics})
-            if hasattr(progress, "set_postfix"):
-                progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-        if done % config.checkpoint.every == 0 or done == steps:
-            ckpts.save(done, state, plan.position(done), config_json)
-    ckpts.close()
+    try:
+        with Preemption() as preemption:
+            for step in progress:
+                batch = mesh_lib.global_batch(build(step), mesh)
+                state, metrics = train_step(state, batch)
+                rows_since += build.global_rows
+                done = step + 1
+                if config.train.nonfinite == "stop" and not bool(metrics["finite"]):
+                    pos = plan.position(step)
+                    raise NonFiniteError(
+                        f"non-finite loss or gradient at step {step} (epoch {pos['epoch']}, batch {pos['offset']} "
+                        f"of the epoch, records {plan.record_indices(step).tolist()}); the parameters were not "
+                        f"updated. Latest checkpoint: {ckpts.latest_step()}. "
+                        f"--config.train.nonfinite=skip skips such steps instead.")
+                if done % config.log_every == 0 or done == steps:
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    metrics["skipped_steps"] = int(state.skipped)
+                    now = time.perf_counter()
+                    metrics["examples_per_s"] = rows_since / (now - t_last)
+                    t_last, rows_since = now, 0
+                    losses_seen.append((done, metrics["loss"]))
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s", done, steps,
+                             metrics["loss"], metrics["learning_rate"], metrics["grad_norm"],
+                             metrics["examples_per_s"])
+                    if metrics["skipped_steps"] > skipped_logged:
+                        log.warning("%d step(s) skipped so far for a non-finite loss or gradient",
+                                    metrics["skipped_steps"])
+                        skipped_logged = metrics["skipped_steps"]
+                    writer.write({"step": done, **metrics})
+                    if hasattr(progress, "set_postfix"):
+                        progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+                preempted = preemption.received or (
+                    "preemption" if jax.process_count() > 1 and ckpts.reached_preemption(done) else None)
+                if done % config.checkpoint.every == 0 or done == steps or preempted:
+                    ckpts.save(done, state, plan.position(done), config_json)
+                if preempted:
+                    break
+    finally:
+        ckpts.close()      # waits for asynchronous saves
+    if preempted:
+        log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
+                    preempted, int(state.step), ckpts.step_dir(int(state.step)))
+        return {"eval": results, "final_step": int(state.step), "losses": losses_seen, "state": state,
+                "preempted": preempted}
 
     if split is not None:
         results["after"] = evaluate(state)
@@ -177,7 +254,8 @@ def run(config, workdir: str) -> dict:
         if jax.process_index() == 0:
             with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=2)
-    return {"eval": results, "final_step": int(state.step), "losses": losses_seen, "state": state}
+    return {"eval": results, "final_step": int(state.step), "losses": losses_seen, "state": state,
+            "preempted": None}
 
 
 def _progress(it, start: int, total: int):
@@ -200,9 +278,12 @@ def main(argv) -> None:
     try:
         run(config, workdir or os.path.join("runs", config.objective))
     except (config_lib.ConfigError, BadRowError, MissingColumnError, FileNotFoundError, FileExistsError,
-            PermissionError) as e:
+            PermissionError, checkpoint.CheckpointReadError) as e:
         log.error("%s", e)      # a user-facing error: the message names the key, file, row or field
         sys.exit(2)
+    except (NonFiniteError, OSError) as e:
+        log.error("%s", e)
+        sys.exit(3)
 
 
 def _define_flags() -> None:

@@ -114,7 +114,7 @@ def _value_and_grad_on(n_devices, name, iq, p, neg):
     return float(value), [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("name", ["multi_pi", "uni_piiq", "multi_piq"])
+@pytest.mark.parametrize("name", sorted(losses.OBJECTIVES))
 def test_value_and_gradient_do_not_depend_on_device_count(name):
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     rng = np.random.default_rng(1)
@@ -126,3 +126,82 @@ def test_value_and_gradient_do_not_depend_on_device_count(name):
         assert vn == pytest.approx(v1, rel=1e-6)
         for a, b in zip(g1, gn):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_set_metrics_against_numpy(embeddings):
+    iq, p, neg = embeddings
+    obj = losses.Objective.from_name("multi_piiq")
+    _, m = losses.contrastive_loss(obj, iq, p, neg)
+    s = np.asarray(iq, np.float64) @ np.asarray(p, np.float64).T
+    R = len(s)
+    for t, mat in (("p", s), ("iq", s.T)):
+        off = np.where(np.eye(R, dtype=bool), -np.inf, mat)
+        assert float(m[f"{t}/pos_sim"]) == pytest.approx(np.mean(np.diag(s)), abs=1e-5)
+        assert float(m[f"{t}/hard_neg_sim"]) == pytest.approx(np.mean(off.max(1)), abs=1e-5)
+        assert float(m[f"{t}/top1"]) == pytest.approx(np.mean(np.diag(mat) > off.max(1)))
+    inst = np.einsum("rkd,rd->rk", neg, p)
+    assert float(m["i/hard_neg_sim"]) == pytest.approx(np.mean(inst.max(1)), abs=1e-5)
+    assert float(m["i/top1"]) == pytest.approx(np.mean(np.diag(s) > inst.max(1)))
+    assert float(m["p/loss"]) == pytest.approx(naive_loss("uni_p", iq, p, neg, 0.05), rel=1e-5)
+
+
+def _reference_loss_torch(name, iq, p, neg, tau):
+    """The reference code's definitions (SPEC §3, last paragraph), written with torch:
+    "uni" = one softmax over the concatenated blocks, the positive's duplicates masked;
+    "multi" = a sum of separate cross-entropies, one per block."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+    iq, p, neg = (torch.tensor(np.asarray(a), dtype=torch.float64) for a in (iq, p, neg))
+    kind, sets = losses.OBJECTIVES[name]
+    R = iq.shape[0]
+    s = iq @ p.T / tau
+    blocks = {"p": s, "iq": s.T, "i": torch.cat([s.diag()[:, None], torch.einsum("rkd,rd->rk", neg, p) / tau], 1)}
+    target = {"p": torch.arange(R), "iq": torch.arange(R), "i": torch.zeros(R, dtype=torch.long)}
+    if kind == "multi":      # reference "multivariate": separate cross-entropies
+        return float(sum(F.cross_entropy(blocks[t], target[t]) for t in sets))
+    # reference "univariate": [positive | block_1 without positive | block_2 without positive ...]
+    parts = [s.diag()[:, None]]
+    for t in sets:
+        keep = torch.ones_like(blocks[t], dtype=torch.bool)
+        keep[torch.arange(R), target[t]] = False
+        parts.append(blocks[t][keep].reshape(R, -1))
+    return float(F.cross_entropy(torch.cat(parts, 1), torch.zeros(R, dtype=torch.long)))
+
+
+@pytest.mark.parametrize("name", ["uni_pi", "uni_piiq", "uni_iiq", "multi_pi", "multi_piq", "uni_p"])
+def test_reference_convention_reproduces_the_reference_definitions(name, embeddings):
+    iq, p, neg = embeddings
+    want = _reference_loss_torch(name, iq, p, neg, 0.05)
+    got = float(jnp.mean(losses.per_row_loss(losses.reference_objective(name), iq, p, neg)))
+    assert got == pytest.approx(want, rel=1e-5)
+    # and the swap is what SPEC §3 says: the reference's multi_* is our uni_* and vice versa
+    ours = name if len(losses.OBJECTIVES[name][1]) == 1 else \
+        {"uni": "multi", "multi": "uni"}[name.split("_")[0]] + "_" + name.split("_")[1]
+    assert want == pytest.approx(naive_loss(ours, iq, p, neg, 0.05, positive_once=name.startswith("uni")), rel=1e-5)
+
+
+@pytest.mark.parametrize("name, positive_once", [("multi_pi", False), ("uni_piiq", False),
+                                                 ("multi_piiq", True), ("multi_iiq", False)])
+def test_gradients_match_finite_differences(name, positive_once, embeddings):
+    """Central differences in float64 along random directions, for iq, p and the instruction negatives."""
+    with jax.enable_x64(True):
+        iq, p, neg = (jnp.asarray(a, jnp.float64) for a in embeddings)
+        obj = losses.Objective.from_name(name, positive_once=positive_once)
+        f = lambda a, b, c: jnp.mean(losses.per_row_loss(obj, a, b, c))
+        grads = jax.grad(f, argnums=(0, 1, 2))(iq, p, neg)
+        rng = np.random.default_rng(2)
+        for _ in range(3):
+            dirs = [jnp.asarray(rng.normal(size=x.shape)) for x in (iq, p, neg)]
+            eps = 1e-6
+            plus = f(*(x + eps * v for x, v in zip((iq, p, neg), dirs)))
+            minus = f(*(x - eps * v for x, v in zip((iq, p, neg), dirs)))
+            numeric = float(plus - minus) / (2 * eps)
+            analytic = float(sum(jnp.vdot(g, v) for g, v in zip(grads, dirs)))
+            assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-8)
+
+
+def test_bf16_embeddings_give_float32_scores(embeddings):
+    iq, p, neg = (jnp.asarray(a, jnp.bfloat16) for a in embeddings)
+    logits = losses.marginal_logits(iq, p, neg, 0.05)
+    assert all(v.dtype == jnp.float32 for v in logits.values())
+    assert losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg).dtype == jnp.float32

@@ -1,7 +1,7 @@
 """p-MRR on hand-computed cases; trec metrics through pytrec_eval."""
 import pytest
 
-from infjax.metrics import p_mrr, rank_change_score, ranks, trec_metrics
+from infjax.metrics import p_mrr, p_mrr_per_query, rank_change_score, ranks, trec_metrics
 
 
 def test_ranks_break_ties_by_doc_id():
@@ -49,6 +49,7 @@ def test_p_mrr_averages_per_query_then_over_queries():
     new = {"a": {"x": 0.0, "y": 1.0, "z": 2.0}, "b": {"x": 1.0, "w": 0.0}}
     # a: x 1->3 (+2/3), y 2->2 (0): mean 1/3;  b: x 1->1 (0).  Overall (1/3 + 0) / 2.
     assert p_mrr(og, new, qrels_og, qrels_new) == pytest.approx(100 / 6)
+    assert p_mrr_per_query(og, new, qrels_og, qrels_new) == pytest.approx({"a": 100 / 3, "b": 0.0})
 
 
 def test_p_mrr_without_changed_documents_raises():

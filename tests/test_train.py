@@ -143,3 +143,18 @@ def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
     result = train.run(small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False}),
                        str(tmp_path / "run"))
     assert result["final_step"] == 2 and np.isfinite(result["losses"][-1][1])
+
+
+def test_load_run_restores_the_trained_parameters(trained):
+    from infjax.training.restore import load_run
+
+    workdir, _ = trained
+    model = load_run(workdir, step=3)
+    assert model.step == 3 and model.config.objective == "multi_pi"
+    latest = load_run(workdir)
+    final = jax.device_get(latest.params)
+    _, initial, _ = load_encoder(small_config().model)
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(initial))]
+    assert any(changed)
+    with pytest.raises(FileNotFoundError, match="saved steps"):
+        load_run(workdir, step=5)

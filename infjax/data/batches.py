@@ -93,6 +93,7 @@ class BatchBuilder:
     sampler: InstructionNegativeSampler | None = None
     process_index: int = 0
     process_count: int = 1
+    interaction: str = "concat"     # concat | cross_attention (instructions and queries encoded apart)
 
     @property
     def global_rows(self) -> int:
@@ -109,12 +110,13 @@ class BatchBuilder:
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         rows = self.rows(step)
+        if self.interaction == "cross_attention":
+            return self._cross_attention_batch(rows)
         negatives = self.sampler.sample(step, [r[0] for r in rows]) if self.sampler and self.sampler.k else None
         sl = self.local_slice()
         rows = rows[sl]
         q_ids, q_mask = self.tokenizer([self.fmt.query(i, q) for i, q, _ in rows], self.query_max_len)
-        p_ids, p_mask = self.tokenizer([self.fmt.passage(p) for _, _, p in rows], self.passage_max_len)
-        batch = {"q_ids": q_ids, "q_mask": q_mask, "p_ids": p_ids, "p_mask": p_mask}
+        batch = {"q_ids": q_ids, "q_mask": q_mask, **self._passages(rows)}
         if negatives is not None:
             negatives = negatives[sl]
             k = self.sampler.k
@@ -123,3 +125,19 @@ class BatchBuilder:
             batch["n_ids"] = n_ids.reshape(len(rows), k, -1)
             batch["n_mask"] = n_mask.reshape(len(rows), k, -1)
         return batch
+
+    def _passages(self, rows) -> dict[str, np.ndarray]:
+        p_ids, p_mask = self.tokenizer([self.fmt.passage(p) for _, _, p in rows], self.passage_max_len)
+        return {"p_ids": p_ids, "p_mask": p_mask}
+
+    def _cross_attention_batch(self, rows) -> dict[str, np.ndarray]:
+        """Instructions and queries tokenized apart, plus an id per distinct instruction text of
+        the global batch (rows sharing an instruction are not each other's I-negatives)."""
+        text_ids = {t: i for i, t in enumerate(dict.fromkeys(r[0] for r in rows))}
+        groups = np.array([text_ids[r[0]] for r in rows], np.int32)
+        sl = self.local_slice()
+        rows = rows[sl]
+        i_ids, i_mask = self.tokenizer([self.fmt.alone(i) for i, _, _ in rows], self.query_max_len)
+        qo_ids, qo_mask = self.tokenizer([self.fmt.alone(q) for _, q, _ in rows], self.query_max_len)
+        return {"i_ids": i_ids, "i_mask": i_mask, "qo_ids": qo_ids, "qo_mask": qo_mask, "i_group": groups[sl],
+                **self._passages(rows)}

@@ -23,6 +23,10 @@ class TextFormat:
     def passage(self, text: str) -> str:
         return self.passage_prefix + text
 
+    def alone(self, text: str) -> str:
+        """An instruction or a query encoded on its own (Interaction II)."""
+        return self.query_prefix + text
+
 
 def validate_template(template: str, key: str = "data.query_template") -> None:
     """The template must name {query} and {instruction} and nothing else."""

@@ -1,9 +1,12 @@
-"""Hugging Face checkpoint I/O for the infjax BERT encoder.
+"""Hugging Face checkpoint I/O for the infjax encoders.
 
 Locates checkpoints (local folder, Hub id, or the embedded all-MiniLM-L6-v2
 package), reads ``config.json`` and safetensors weights (never pickles), and
 maps tensor names between Hugging Face ``BertModel`` and the Flax parameter
-tree of :class:`infjax.models.bert.BertModel`.
+tree of :class:`infjax.models.bert.BertModel`. The generic name-map helpers
+at the end (:func:`params_from_hf`, :func:`params_to_hf`) serve the other
+families' converters: :mod:`infjax.models.hf_modernbert` and
+:mod:`infjax.models.hf_decoder` (Llama, Qwen2).
 """
 from __future__ import annotations
 
@@ -388,3 +391,91 @@ def load_bert(name_or_path: str, dtype: Any = jnp.float32) -> tuple[BertModel, d
     params = bert_params_from_hf(read_safetensors(path), config)
     module = BertModel(config, dtype=dtype)
     return module, params, hf_config, path
+
+
+# --------------------------------------------------------------------------
+# Generic name-map conversion (used by the ModernBERT / Llama / Qwen2 converters)
+# --------------------------------------------------------------------------
+
+
+def module_param_shapes(module, seq_len: int = 1) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flax parameter shapes of ``module`` (called as ``module(ids, mask)``), from an abstract init."""
+    import jax
+
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))
+    flat = jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+    return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def strip_prefixes(tensors: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any]:
+    """Drop the first matching prefix (e.g. ``model.`` of ``*ForCausalLM`` checkpoints); refuse duplicates."""
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        short = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
+        if short in out:
+            raise ValueError(f"tensor {short!r} appears both with and without a prefix {list(prefixes)}")
+        out[short] = value
+    return out
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], name_map, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
+                   *, what: str, prefixes: tuple[str, ...] = (), ignorable: re.Pattern | None = None) -> dict:
+    """Map HF tensors to an (unrolled) Flax parameter tree through ``name_map``.
+
+    ``name_map`` yields ``(hf_name, flax_path, transpose)``; a transposed
+    tensor is a Linear weight (HF ``[out, in]``, Flax ``[in, out]``). Names may
+    carry one of ``prefixes``. Raises ``ValueError`` naming missing tensors,
+    unexpected tensors (except those matching ``ignorable``: LM heads,
+    buffers) and shape mismatches. Returns host float32 numpy arrays.
+    """
+    tensors = strip_prefixes(tensors, prefixes)
+    params: dict = {}
+    known, missing, bad_shape = set(), [], []
+    for hf_name, path, transpose in name_map:
+        known.add(hf_name)
+        if hf_name not in tensors:
+            missing.append(hf_name)
+            continue
+        value = np.asarray(tensors[hf_name], dtype=np.float32)
+        value = np.ascontiguousarray(value.T) if transpose else value
+        want = shapes.get(path)
+        if value.shape != want:
+            bad_shape.append(f"{hf_name}: expected {tuple(want[::-1]) if transpose and want else want}, "
+                             f"got {tuple(np.shape(tensors[hf_name]))}")
+            continue
+        _set_path(params, path, value)
+    unexpected = sorted(n for n in tensors if n not in known and not (ignorable and ignorable.search(n)))
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected}")
+    if bad_shape:
+        problems.append(f"shape mismatches: {bad_shape}")
+    if problems:
+        raise ValueError(f"checkpoint does not match the {what} config; " + "; ".join(problems))
+    return params
+
+
+def params_to_hf(params: Mapping, name_map, prefix: str = "") -> dict[str, np.ndarray]:
+    """Inverse of :func:`params_from_hf`: unrolled Flax tree -> contiguous float32 numpy by HF name."""
+    import jax
+
+    out: dict[str, np.ndarray] = {}
+    missing, mapped = [], set()
+    for hf_name, path, transpose in name_map:
+        mapped.add(path)
+        try:
+            value = np.asarray(_get_path(params, path), dtype=np.float32)
+        except KeyError:
+            missing.append("/".join(path))
+            continue
+        out[prefix + hf_name] = np.ascontiguousarray(value.T if transpose else value)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    extra = sorted("/".join(str(k.key) for k in p) for p, _ in leaves if tuple(k.key for k in p) not in mapped)
+    if missing or extra:
+        raise ValueError("parameter tree does not match the name map; "
+                         + "; ".join(s for s in (f"missing: {missing}" if missing else "",
+                                                 f"unexpected: {extra}" if extra else "") if s))
+    return out

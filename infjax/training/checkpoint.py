@@ -1,10 +1,25 @@
-"""Orbax checkpoints (current `args=` API): train state, data position and resolved config."""
+"""Orbax checkpoints (current `args=` API): train state, data position and resolved config.
+
+WORKDIR/checkpoints/<step>/{state, data, config}. Orbax writes a step into a
+temporary folder and renames it when complete, so a save that was cut off is
+never listed as a step. Saves are asynchronous by default: training goes on
+while the arrays are written; `close()` waits for the last one.
+"""
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import uuid
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger("infjax.checkpoint")
+
+
+class CheckpointReadError(RuntimeError):
+    """A checkpoint step exists but cannot be read; the message names its folder."""
 
 
 def abstract_like(tree, sharding_tree=None):
@@ -14,18 +29,43 @@ def abstract_like(tree, sharding_tree=None):
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, sharding_tree)
 
 
-class Checkpoints:
-    """WORKDIR/checkpoints/<step>/{state, data, config}."""
+def check_writable(workdir: str, needed_bytes: int = 0) -> None:
+    """Create `workdir` and prove it writable with a probe file; refuse if one checkpoint cannot fit."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write-probe-{uuid.uuid4().hex}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"--workdir={workdir} is not writable: {e.strerror or e}") from None
+    free = shutil.disk_usage(workdir).free
+    if needed_bytes and free < needed_bytes:
+        raise OSError(f"--workdir={workdir}: {free / 2**30:.2f} GiB free, but one checkpoint needs about "
+                      f"{needed_bytes / 2**30:.2f} GiB")
 
-    def __init__(self, workdir: str, max_to_keep: int = 3):
+
+def state_bytes(abstract_state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
+
+
+class Checkpoints:
+    def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                                 enable_async_checkpointing=async_save),
         )
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
 
     def save(self, step: int, state, data_position: dict, config: dict) -> None:
         self.manager.save(step, args=ocp.args.Composite(
@@ -34,12 +74,62 @@ class Checkpoints:
             config=ocp.args.JsonSave(config),
         ), force=True)
 
+    def saved_config(self, step: int) -> dict:
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        except Exception as e:   # noqa: BLE001 - any failure means the checkpoint cannot be used
+            raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (config): "
+                                      f"{type(e).__name__}: {e}") from e
+
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
-        out = self.manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=ocp.args.JsonRestore(),
-        ))
+        """The state at `step`, laid out as `abstract_state`'s shardings say, and the data position."""
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore(),
+            ))
+        except Exception as e:   # noqa: BLE001
+            raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read: "
+                                      f"{type(e).__name__}: {str(e)[:500]}") from e
         return out["state"], out["data"]
+
+    def restore_newest_readable(self, abstract_state, fallback: bool, check_config=None) -> tuple[int, object, dict]:
+        """Restore the latest step; if it is unreadable, raise, or with `fallback` try older ones.
+
+        `check_config(step, saved_config)` runs before a step's state is read and may raise."""
+        steps = self.steps()
+        if not steps:
+            raise FileNotFoundError(f"{self.directory} holds no checkpoint to resume from")
+        errors = []
+        for step in reversed(steps):
+            try:
+                if check_config is not None:
+                    check_config(step, self.saved_config(step))
+                state, position = self.restore(step, abstract_state)
+            except CheckpointReadError as e:
+                if not fallback:
+                    raise CheckpointReadError(f"{e}\nPass --config.checkpoint.fallback=True to resume from the "
+                                              f"newest readable checkpoint instead.") from e
+                log.warning("%s; trying an older checkpoint", e)
+                errors.append(str(e))
+                continue
+            if errors:
+                self._set_aside([s for s in steps if s > step])
+                log.warning("resuming from step %d: %d newer checkpoint(s) could not be read and were renamed "
+                            "*.unreadable (kept, not deleted)", step, len(errors))
+            return step, state, position
+        raise CheckpointReadError("no readable checkpoint in " + self.directory + ":\n" + "\n".join(errors))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename unreadable step folders out of the manager's view so that those steps can be saved again."""
+        if jax.process_index() == 0:
+            for step in steps:
+                os.rename(self.step_dir(step), f"{self.step_dir(step)}.unreadable-{uuid.uuid4().hex[:8]}")
+        self.manager.reload()
+
+    def reached_preemption(self, step: int) -> bool:
+        """Multi-host: whether all hosts agree a preemption signal arrived (Orbax's sync point)."""
+        return bool(self.manager.reached_preemption(step))
 
     def close(self) -> None:
         self.manager.wait_until_finished()

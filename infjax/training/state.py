@@ -12,6 +12,7 @@ class TrainState(struct.PyTreeNode):
     params: dict
     opt_state: optax.OptState
     rng: jax.Array          # root key; the step's key is fold_in(rng, step)
+    skipped: jax.Array      # steps whose update was dropped for a non-finite loss or gradient
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int = 0) -> optax.Schedule:
@@ -34,4 +35,4 @@ def make_optimizer(train_config, total_steps: int) -> tuple[optax.GradientTransf
 
 def create_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      rng=jax.random.key_data(jax.random.key(seed)))
+                      rng=jax.random.key_data(jax.random.key(seed)), skipped=jnp.zeros((), jnp.int32))

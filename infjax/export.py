@@ -1,0 +1,360 @@
+"""Export a trained run as a Hugging Face + sentence-transformers folder.
+
+    python -m infjax.export --workdir runs/x --out exported/x [--step N] [--overwrite] [--max_shard_size 5GB]
+
+DIR gets ``config.json`` (the base checkpoint's config, naming the bare
+model class and float32), ``model.safetensors`` (or shards plus
+``model.safetensors.index.json`` above ``--max_shard_size``), the tokenizer
+files with the family's padding side, and the sentence-transformers files
+that fix pooling and L2 normalization, so that ``transformers.AutoModel``
+and ``sentence_transformers.SentenceTransformer`` load DIR and give the
+embeddings infjax gives. A run with separate encoders exports DIR/query and
+DIR/passage. DIR/README.md states the query template and prefixes to use.
+
+Everything is written into a temporary folder next to DIR and renamed into
+place at the end, so a failure never leaves a half-written DIR. Exit code 2
+on user errors (no such run or step, non-empty DIR without --overwrite, a
+bad size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from typing import Any, Mapping
+
+import numpy as np
+
+from infjax.models import hf_io
+from infjax.models.bert import BertConfig
+from infjax.models.decoder import ARCHITECTURES as DECODER_ARCHITECTURES, DecoderConfig
+from infjax.models.hf_decoder import decoder_params_to_hf
+from infjax.models.hf_modernbert import modernbert_params_to_hf
+from infjax.models.modernbert import ARCHITECTURE as MODERNBERT_ARCHITECTURE, ModernBertConfig
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+# sentence-transformers pooling config key per infjax pooling kind.
+_ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
+_ST_POOLING_KEYS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens",
+                    "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
+
+
+class ExportError(Exception):
+    """A user error (bad arguments, existing output); the message says what to change."""
+
+
+def _bert_to_hf(params, hf_config, source):
+    return hf_io.bert_params_to_hf(params, BertConfig.from_hf_dict(hf_config, source)), "BertModel"
+
+
+def _modernbert_to_hf(params, hf_config, source):
+    config = ModernBertConfig.from_hf_dict(hf_config, source)
+    return modernbert_params_to_hf(params, config), MODERNBERT_ARCHITECTURE
+
+
+def _decoder_to_hf(params, hf_config, source):
+    config = DecoderConfig.from_hf_dict(hf_config, source)
+    return decoder_params_to_hf(params, config), DECODER_ARCHITECTURES[config.model_type]
+
+
+# family -> (params, hf_config dict, source) -> (HF tensors by name, bare-model architecture)
+EXPORTERS = {"bert": _bert_to_hf, "modernbert": _modernbert_to_hf, "llama": _decoder_to_hf, "qwen2": _decoder_to_hf}
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units as in transformers; KiB/MiB/GiB binary); ints pass through."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+        if not m or m.group(2) not in _UNITS:
+            raise ExportError(f"--max_shard_size={text!r} is not a size; write e.g. 5GB, 500MB or 1GiB")
+        size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if size <= 0:
+        raise ExportError(f"--max_shard_size={text!r} must be positive")
+    return size
+
+
+# --------------------------------------------------------------------------
+# Writing one model folder
+# --------------------------------------------------------------------------
+
+
+def save_safetensors(folder: str, tensors: Mapping[str, np.ndarray], max_shard_size: int) -> list[str]:
+    """Write ``model.safetensors``, or shards and ``model.safetensors.index.json`` above ``max_shard_size``.
+
+    Shards are filled in the order of ``tensors``; a tensor larger than the
+    limit gets a shard of its own. Returns the written file names.
+    """
+    from safetensors.numpy import save_file
+
+    metadata = {"format": "pt"}
+    total = sum(int(t.nbytes) for t in tensors.values())
+    if total <= max_shard_size:
+        save_file(dict(tensors), os.path.join(folder, hf_io.SAFETENSORS_FILE), metadata=metadata)
+        return [hf_io.SAFETENSORS_FILE]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += int(value.nbytes)
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata=metadata)
+        weight_map.update({k: name for k in shard})
+        files.append(name)
+    _write_json(os.path.join(folder, hf_io.SAFETENSORS_INDEX),
+                {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files + [hf_io.SAFETENSORS_INDEX]
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+
+
+def export_config(hf_config: Mapping[str, Any], architecture: str) -> dict:
+    """The base checkpoint's config.json, naming the bare model class and float32 weights."""
+    config = dict(hf_config)
+    config["architectures"] = [architecture]
+    config["dtype"] = "float32"
+    if "torch_dtype" in config:
+        config["torch_dtype"] = "float32"
+    return config
+
+
+def write_sentence_transformers_files(folder: str, hidden_size: int, pooling: str, max_seq_length: int,
+                                      query_prefix: str, passage_prefix: str) -> None:
+    """modules.json (Transformer -> Pooling -> Normalize) and the configs that fix pooling and lengths."""
+    if pooling not in _ST_POOLING:
+        raise ExportError(f"pooling {pooling!r} has no sentence-transformers equivalent")
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    _write_json(os.path.join(folder, "modules.json"), modules)
+    _write_json(os.path.join(folder, "sentence_bert_config.json"),
+                {"max_seq_length": int(max_seq_length), "do_lower_case": False})
+    _write_json(os.path.join(folder, "config_sentence_transformers.json"),
+                {"prompts": {"query": query_prefix, "document": passage_prefix},
+                 "default_prompt_name": None, "similarity_fn_name": "cosine"})
+    os.makedirs(os.path.join(folder, "1_Pooling"))
+    pooling_config = {"word_embedding_dimension": int(hidden_size)}
+    pooling_config.update({key: key == _ST_POOLING[pooling] for key in _ST_POOLING_KEYS})
+    pooling_config["include_prompt"] = True
+    _write_json(os.path.join(folder, "1_Pooling", "config.json"), pooling_config)
+    os.makedirs(os.path.join(folder, "2_Normalize"))
+
+
+def write_tokenizer(folder: str, base_path: str, padding_side: str) -> None:
+    """The base checkpoint's tokenizer with infjax's padding side (and pad token) saved into ``folder``."""
+    from infjax.data.tokenize import Tokenizer
+
+    Tokenizer(base_path, padding_side=padding_side).save(folder)
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["padding_side"] = padding_side
+    _write_json(path, config)
+
+
+def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: Mapping[str, Any], base_path: str,
+                       pooling: str, padding_side: str, max_seq_length: int, query_prefix: str = "",
+                       passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)) -> None:
+    """One loadable folder (HF config + weights + tokenizer + sentence-transformers files) in ``folder``."""
+    if family not in EXPORTERS:
+        raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(EXPORTERS)}")
+    tensors, architecture = EXPORTERS[family](params, hf_config, os.path.join(base_path, "config.json"))
+    os.makedirs(folder, exist_ok=True)
+    _write_json(os.path.join(folder, "config.json"), export_config(hf_config, architecture))
+    save_safetensors(folder, tensors, max_shard_size)
+    write_tokenizer(folder, base_path, padding_side)
+    write_sentence_transformers_files(folder, hf_config["hidden_size"], pooling, max_seq_length,
+                                      query_prefix, passage_prefix)
+
+
+# --------------------------------------------------------------------------
+# README
+# --------------------------------------------------------------------------
+
+
+def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding_side: str, query_template: str,
+                query_prefix: str, passage_prefix: str, query_max_len: int, passage_max_len: int, run: str = "",
+                step: int | None = None) -> str:
+    """A short README: what the folder is and how to build query/passage text."""
+    trained = (f" from run `{run}`" + (f" at step {step}" if step is not None else "")) if run else ""
+    if separate:
+        layout = ("Two encoders (Hugging Face + sentence-transformers format each): `query/` for\n"
+                  "instruction-queries, `passage/` for passages.")
+        q_folder, p_folder = "DIR/query", "DIR/passage"
+    else:
+        layout = ("One encoder for instruction-queries and passages (Hugging Face +\n"
+                  "sentence-transformers format).")
+        q_folder = p_folder = "DIR"
+    return f"""# InF-Embed bi-encoder (exported by infjax)
+
+Base checkpoint `{base}` ({family}), fine-tuned with infjax{trained}.
+{layout}
+Embeddings: {pooling} pooling of the last hidden states ({padding_side} padding),
+L2-normalized; score = dot product (= cosine).
+
+## Text to encode
+
+- Query: `{query_prefix!r} + {query_template!r}.format(instruction=I, query=Q).strip()`
+  (instruction and query in one text; at most {query_max_len} tokens in training).
+- Passage: `{passage_prefix!r} + passage` (at most {passage_max_len} tokens in training).
+
+The prefixes are stored as sentence-transformers prompts (`query`, `document`);
+the template is not, so format the query text yourself:
+
+```python
+from sentence_transformers import SentenceTransformer
+
+q_model = SentenceTransformer("{q_folder}")
+p_model = SentenceTransformer("{p_folder}")
+text = {query_template!r}.format(instruction="...", query="...").strip()
+q = q_model.encode([text], prompt_name="query")
+p = p_model.encode(["..."], prompt_name="document")
+scores = q @ p.T
+```
+"""
+
+
+# --------------------------------------------------------------------------
+# Atomic output folder
+# --------------------------------------------------------------------------
+
+
+def _check_out(out: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(f"--out={out} exists and is not a folder")
+    if os.path.isdir(out) and os.listdir(out) and not overwrite:
+        raise ExportError(f"--out={out} is not empty; pass --overwrite to replace it, or choose another folder")
+
+
+def _publish(tmp: str, out: str) -> None:
+    """Move the finished ``tmp`` folder to ``out``, replacing an existing ``out`` only at the very end."""
+    if not os.path.exists(out):
+        os.rename(tmp, out)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[str, Any], base_path: str,
+                 pooling: str, padding_side: str, query_template: str = "{query} {instruction}",
+                 query_prefix: str = "", passage_prefix: str = "", query_max_len: int = 256,
+                 passage_max_len: int = 512, overwrite: bool = False,
+                 max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base: str | None = None, run: str = "",
+                 step: int | None = None) -> str:
+    """Write the export of ``params`` ({"shared": tree} or {"query": tree, "passage": tree}) to ``out``.
+
+    Builds everything in a temporary folder next to ``out`` and renames it
+    into place; on any failure the temporary folder is removed and ``out`` is
+    left as it was. Returns ``out``.
+    """
+    out = os.path.abspath(os.path.expanduser(out))
+    shard_bytes = parse_size(max_shard_size)
+    _check_out(out, overwrite)
+    extra = sorted(set(params) - {"shared", "query", "passage"})
+    if extra:
+        raise ExportError(f"parameters {extra} (e.g. an interaction head) have no place in a Hugging Face / "
+                          "sentence-transformers folder; only plain bi-encoders can be exported")
+    if "shared" in params:
+        parts = {"": (params["shared"], max(query_max_len, passage_max_len))}
+    elif {"query", "passage"} <= set(params):
+        parts = {"query": (params["query"], query_max_len), "passage": (params["passage"], passage_max_len)}
+    else:
+        raise ExportError(f"parameters must hold 'shared' or 'query' and 'passage', got {sorted(params)}")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)             # mkdtemp makes 0700; DIR gets the usual permissions
+    try:
+        for sub, (tree, max_len) in parts.items():
+            write_model_folder(os.path.join(tmp, sub) if sub else tmp, family=family, params=tree,
+                               hf_config=hf_config, base_path=base_path, pooling=pooling,
+                               padding_side=padding_side, max_seq_length=max_len, query_prefix=query_prefix,
+                               passage_prefix=passage_prefix, max_shard_size=shard_bytes)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(readme_text(separate="shared" not in params, base=base or base_path, family=family,
+                                pooling=pooling,
+                                padding_side=padding_side, query_template=query_template,
+                                query_prefix=query_prefix, passage_prefix=passage_prefix,
+                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step))
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> str:
+    """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
+    from infjax.models.encoder import detect_family
+    from infjax.training.restore import load_run
+
+    out_abs = os.path.abspath(os.path.expanduser(out))
+    parse_size(max_shard_size)
+    _check_out(out_abs, overwrite)          # fail before the (slow) restore
+    run = load_run(workdir, step)
+    config = run.config
+    interaction = config.model.get("interaction", "concat")
+    if interaction != "concat":
+        raise ExportError(f"the run uses config.model.interaction={interaction!r}; its query embedding needs the "
+                          "interaction head, which the Hugging Face / sentence-transformers format cannot hold")
+    family = detect_family(run.base_path, config.model.get("family", "auto"))
+    return export_model(
+        out_abs, family=family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),
+        base_path=run.base_path, pooling=config.model.pooling, padding_side=run.encoder.padding_side,
+        query_template=config.data.query_template, query_prefix=config.data.query_prefix,
+        passage_prefix=config.data.passage_prefix, query_max_len=config.data.query_max_len,
+        passage_max_len=config.data.passage_max_len, overwrite=overwrite, max_shard_size=max_shard_size,
+        base=config.model.checkpoint, run=workdir, step=run.step)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infjax.export",
+                                     description="Export an infjax run as a Hugging Face / sentence-transformers folder.")
+    parser.add_argument("--workdir", required=True, help="run directory (holds checkpoints/<step>)")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+    parser.add_argument("--out", required=True, help="output folder DIR (must be empty unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
+    parser.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help="shard model.safetensors above this size (default 5GB)")
+    args = parser.parse_args(argv)
+    try:
+        out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size)
+    except (ExportError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
+        print(f"infjax.export: error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.workdir} to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

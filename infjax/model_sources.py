@@ -1,0 +1,280 @@
+"""Where the embeddings come from: an infjax run, a sentence-transformers folder, or any HF checkpoint.
+
+    load_model("runs/x")                          # infjax run directory (latest step, or step=N)
+    load_model("exported/")                       # a folder with modules.json: encoded by sentence-transformers
+    load_model("intfloat/e5-base-v2", query_prefix="query: ", passage_prefix="passage: ")   # HF checkpoint, infjax
+    load_model(EMBEDDED)                          # the embedded all-MiniLM-L6-v2, infjax
+
+A run directory brings its own text format (template, prefixes) and lengths
+from the run's saved config. A HF checkpoint is encoded by infjax with the
+default template `"{query} {instruction}"` unless told otherwise, and with
+the pooling its sentence-transformers files name (else mean), so untrained
+baselines are measured exactly as trained runs. A sentence-transformers
+folder is encoded on torch by sentence-transformers itself (its own pooling
+and normalization); a `modules.json` folder can also be read by infjax with
+`model_type="hf"`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+
+import numpy as np
+
+from infjax.data.tokenize import TextFormat
+from infjax.followir import PairEmbedFn
+from infjax.inference import EmbedFn
+
+log = logging.getLogger("infjax.model_sources")
+
+MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
+DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # SPEC §1.3 reference defaults
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be loaded as asked; the message names the path or flag."""
+
+
+@dataclasses.dataclass
+class EmbeddingModel:
+    """A loaded model: two embedding functions over final texts (already formatted by `fmt`)."""
+
+    name: str                       # the source as given (--model)
+    kind: str                       # run | sentence_transformers | hf
+    step: int | None
+    fmt: TextFormat
+    query_max_len: int
+    passage_max_len: int
+    embed_query: EmbedFn            # texts -> L2-normalized float32 [N, d]
+    embed_passage: EmbedFn
+    synthetic: dict | None = None   # a run's data.synthetic (defaults of the synthetic dataset)
+    progress: bool = True
+    cache_key: str = ""             # weights + encoding settings: the embedding cache's model key
+    # (instructions, queries) -> iq embeddings, for models that do not read one text (Interaction II).
+    embed_pairs: PairEmbedFn | None = None
+
+    def pair_encoder(self) -> PairEmbedFn:
+        """(instructions, queries) -> instruction-aware query embeddings, whatever the interaction."""
+        if self.embed_pairs is not None:
+            return self.embed_pairs
+        return lambda ins, qs: self.embed_query([self.fmt.query(i, q) for i, q in zip(ins, qs)])
+
+    def describe(self) -> dict:
+        return {"model": self.name, "model_type": self.kind, "step": self.step,
+                "query_template": self.fmt.query_template, "query_prefix": self.fmt.query_prefix,
+                "passage_prefix": self.fmt.passage_prefix, "query_max_len": self.query_max_len,
+                "passage_max_len": self.passage_max_len}
+
+
+def is_run_dir(path: str) -> bool:
+    ckpt = os.path.join(path, "checkpoints")
+    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+
+
+def detect_type(source: str) -> str:
+    """run (a folder with checkpoints/<step>), sentence_transformers (a folder with modules.json), else hf."""
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        if is_run_dir(path):
+            return "run"
+        if os.path.isfile(os.path.join(path, "modules.json")):
+            return "sentence_transformers"
+    return "hf"
+
+
+def _fingerprint(folder: str) -> str:
+    """A short hash of the names, sizes and mtimes of a checkpoint's weight and config files."""
+    import hashlib
+
+    try:
+        files = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".json")))
+    except OSError:
+        return ""
+    stats = [(n, os.stat(os.path.join(folder, n))) for n in files]
+    text = ",".join(f"{n}:{s.st_size}:{int(s.st_mtime)}" for n, s in stats)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def st_pooling(folder: str) -> str | None:
+    """The pooling a sentence-transformers folder names (mean | cls | last), or None."""
+    path = os.path.join(folder, "1_Pooling", "config.json")
+    modules = os.path.join(folder, "modules.json")
+    if os.path.isfile(modules):
+        with open(modules, encoding="utf-8") as f:
+            for m in json.load(f):
+                if str(m.get("type", "")).endswith("Pooling"):
+                    path = os.path.join(folder, m.get("path", ""), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    mode = cfg.get("pooling_mode")            # newer sentence-transformers write a single key
+    if isinstance(mode, str):
+        return {"mean": "mean", "cls": "cls", "lasttoken": "last", "last": "last"}.get(mode)
+    for key, pooling in (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
+                         ("pooling_mode_mean_tokens", "mean")):
+        if cfg.get(key):
+            return pooling
+    return None
+
+
+def _mesh(mesh):
+    if mesh is not None:
+        return mesh
+    import ml_collections
+
+    from infjax.training.mesh import make_mesh
+
+    return make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+
+
+def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool):
+    import jax
+
+    from infjax.inference import TextEmbedder
+    from infjax.models.encoder import passage_params, query_params
+    from infjax.training.mesh import replicated
+
+    embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
+    params = jax.device_put(params, replicated(mesh))
+    qp, pp = query_params(params), passage_params(params)
+    return (lambda t: embedder(qp, t, qlen, "queries" if progress else None),
+            lambda t: embedder(pp, t, plen, "passages" if progress else None))
+
+
+def load_model(source: str, *, model_type: str = "auto", step: int | None = None, batch_size: int = 64,
+               pooling: str | None = None, query_template: str | None = None, query_prefix: str | None = None,
+               passage_prefix: str | None = None, query_max_len: int | None = None,
+               passage_max_len: int | None = None, dtype: str = "float32", mesh=None,
+               progress: bool = True) -> EmbeddingModel:
+    """Load `source` (see the module docstring). Raises ModelSourceError / FileNotFoundError on user errors."""
+    if model_type not in MODEL_TYPES:
+        raise ModelSourceError(f"--model_type={model_type!r}: choose one of {list(MODEL_TYPES)}")
+    if batch_size < 1:
+        raise ModelSourceError(f"--batch_size={batch_size}: must be >= 1")
+    for flag, value in (("--query_max_len", query_max_len), ("--passage_max_len", passage_max_len)):
+        if value is not None and not 8 <= value <= 8192:
+            raise ModelSourceError(f"{flag}={value}: must be in [8, 8192]")
+    if pooling is not None and pooling not in ("mean", "cls", "last"):
+        raise ModelSourceError(f"--pooling={pooling!r}: must be mean, cls or last")
+    expanded = os.path.expanduser(source)
+    if not os.path.exists(expanded) and (source.startswith(("/", ".", "~")) or source.count("/") > 1):
+        raise ModelSourceError(f"--model={source!r}: no such folder (expected an infjax run directory, a "
+                               f"sentence-transformers folder or a HF checkpoint folder)")
+    kind = detect_type(source) if model_type == "auto" else model_type
+    if step is not None and kind != "run":
+        raise ModelSourceError(f"--step={step} applies to infjax run directories; {source!r} is a {kind} source")
+    if kind == "run":
+        flags = (("--pooling", pooling), ("--query_template", query_template), ("--query_prefix", query_prefix),
+                 ("--passage_prefix", passage_prefix))
+        given = [f for f, v in flags if v is not None]
+        if given:
+            raise ModelSourceError(f"{', '.join(given)}: a run directory uses its own config's pooling, template "
+                                   f"and prefixes ({source}); these flags apply to HF checkpoints and "
+                                   f"sentence-transformers folders")
+        return _load_run(source, step, batch_size, query_max_len, passage_max_len, mesh, progress)
+    try:
+        fmt = TextFormat(query_template or TextFormat.query_template,
+                         query_prefix if query_prefix is not None else "",
+                         passage_prefix if passage_prefix is not None else "")
+    except ValueError as e:
+        raise ModelSourceError(str(e).replace("data.query_template", "--query_template")) from None
+    if kind == "sentence_transformers":
+        if pooling is not None:
+            raise ModelSourceError("--pooling: a sentence-transformers folder uses its own pooling module; "
+                                   "pass --model_type=hf to encode it with infjax and another pooling")
+        return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress,
+                                           prefixes_given=(query_prefix is not None, passage_prefix is not None))
+    return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress)
+
+
+def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> EmbeddingModel:
+    from infjax.data.tokenize import Tokenizer
+    from infjax.training.restore import load_run
+
+    if not is_run_dir(os.path.expanduser(workdir)):
+        raise ModelSourceError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
+    mesh = _mesh(mesh)
+    run = load_run(os.path.expanduser(workdir), step, mesh=mesh)
+    data = run.config.data
+    fmt = TextFormat(data.query_template, data.query_prefix, data.passage_prefix)
+    qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
+    tokenizer = Tokenizer(run.base_path, padding_side=run.encoder.padding_side)
+    eq, ep = _infjax_embedders(run.encoder, run.params, tokenizer, mesh, batch_size, qlen, plen, progress)
+    interaction = run.config.model.get("interaction", "concat")
+    embed_pairs = None
+    if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
+        import jax
+
+        from infjax.interaction_inference import CrossAttentionQueryEmbedder
+        from infjax.training.mesh import replicated
+
+        pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
+        params = jax.device_put(run.params, replicated(mesh))
+        embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
+    key = f"run:{os.path.abspath(os.path.expanduser(workdir))}|pooling={run.encoder.pooling}" \
+          f"|interaction={interaction}|dtype={run.config.model.dtype}|len={qlen}/{plen}"
+    return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
+                          progress=progress, cache_key=key, embed_pairs=embed_pairs)
+
+
+def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress) -> EmbeddingModel:
+    import ml_collections
+
+    from infjax.data.tokenize import Tokenizer
+    from infjax.models import hf_io
+    from infjax.models.encoder import checkpoint_path, load_encoder
+
+    if dtype not in ("float32", "bfloat16"):
+        raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
+    try:
+        path = checkpoint_path(source)
+    except hf_io.CheckpointNotFound as e:
+        raise ModelSourceError(f"--model={source!r}: {e}") from None
+    pooling = pooling or st_pooling(path) or "mean"
+    config = ml_collections.ConfigDict({"checkpoint": path, "family": "auto", "pooling": pooling,
+                                        "shared_encoder": True, "dtype": dtype})
+    encoder, params, path = load_encoder(config)
+    max_pos = hf_io.load_hf_config(path).get("max_position_embeddings") or 8192
+    qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
+    plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
+    tokenizer = Tokenizer(path, padding_side=encoder.padding_side)
+    eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
+    key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
+    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, progress=progress, cache_key=key)
+
+
+def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
+    from sentence_transformers import SentenceTransformer
+
+    folder = os.path.expanduser(source)
+    if not os.path.isfile(os.path.join(folder, "modules.json")):
+        raise ModelSourceError(f"{os.path.join(folder, 'modules.json')}: file not found "
+                               f"(--model_type=sentence_transformers needs a sentence-transformers folder)")
+    try:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - sentence-transformers needs torch
+        device = "cpu"
+    model = SentenceTransformer(folder, device=device)
+    # The folder's own prompts become the prefixes unless given; they are applied here, never twice.
+    prompts = getattr(model, "prompts", {}) or {}
+    if not prefixes_given[0] and prompts.get("query"):
+        fmt = dataclasses.replace(fmt, query_prefix=prompts["query"])
+    if not prefixes_given[1] and (prompts.get("document") or prompts.get("passage")):
+        fmt = dataclasses.replace(fmt, passage_prefix=prompts.get("document") or prompts.get("passage"))
+    native = model.max_seq_length
+    qlen, plen = qlen or native, plen or native
+
+    def embed(texts: list[str], max_len: int) -> np.ndarray:
+        model.max_seq_length = max_len
+        out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
+                           convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
+        return np.asarray(out, np.float32)
+
+    key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}|len={qlen}/{plen}"
+    return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
+                          lambda t: embed(t, qlen), lambda t: embed(t, plen), progress=progress, cache_key=key)

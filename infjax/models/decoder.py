@@ -1,0 +1,196 @@
+"""Llama (3.2) and Qwen2 (2.5) decoders as embedding backbones, in Flax linen.
+
+One module computes both HF ``LlamaModel`` and ``Qwen2Model`` (pre-norm
+blocks, RMSNorm, RoPE in the rotate-half layout, grouped-query attention,
+SwiGLU MLP, final norm). The families differ by data, not by code paths:
+Qwen2 has biases on the q/k/v projections (``qkv_bias``); Llama 3.2 uses the
+"llama3" RoPE frequency schedule (``rope``). Tied or untied LM heads do not
+matter to an encoder: the head is not part of this module.
+
+Attention is causal plus a key-padding mask; inputs are left-padded and
+position ids come from the mask (``cumsum(mask) - 1``), so a left-padded
+sequence gets the same hidden states as the unpadded one. Parameters::
+
+    embed_tokens/embedding                              [V, H]
+    layer_{i}/input_layernorm/scale                     [H]
+    layer_{i}/self_attn/q_proj/{kernel [H, N*D], bias}  (bias only with qkv_bias)
+    layer_{i}/self_attn/{k_proj,v_proj}/{kernel [H, K*D], bias}
+    layer_{i}/self_attn/o_proj/kernel                   [N*D, H]
+    layer_{i}/post_attention_layernorm/scale            [H]
+    layer_{i}/mlp/{gate_proj,up_proj}/kernel [H, I], mlp/down_proj/kernel [I, H]
+    norm/scale                                          [H]
+
+With ``scan_layers=True`` the ``layer_{i}`` subtrees are stacked into one
+``layers`` subtree with a leading layer axis (see ``layers.stack_layers``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from infjax.models import layers as L
+
+MODEL_TYPES = ("llama", "qwen2")
+# HF class of the bare model (what an export's config.json names as architecture).
+ARCHITECTURES = {"llama": "LlamaModel", "qwen2": "Qwen2Model"}
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Architecture of a Llama / Qwen2 decoder (HF field names where they exist)."""
+
+    model_type: str = "llama"
+    vocab_size: int = 128256
+    hidden_size: int = 2048
+    intermediate_size: int = 8192
+    num_hidden_layers: int = 16
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    qkv_bias: bool = False             # Qwen2: biases on q/k/v (never on o_proj)
+    attention_dropout: float = 0.0
+    rope: L.RopeConfig = L.RopeConfig(theta=500000.0)
+    tie_word_embeddings: bool = False  # informational: the LM head is not part of the encoder
+
+    def __post_init__(self):
+        L.activation(self.hidden_act)
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not a decoder family; expected one of {MODEL_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "DecoderConfig":
+        """Build from an HF Llama / Qwen2 ``config.json`` dict; ValueError names what is not supported."""
+        model_type = d.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"{source}: model_type={model_type!r} is not a Llama/Qwen2 config "
+                             f"(expected one of {list(MODEL_TYPES)})")
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {missing} for a {model_type} config")
+        if model_type == "llama":
+            for key in ("attention_bias", "mlp_bias"):
+                if d.get(key):
+                    raise ValueError(f"{source}: {key}=true is not supported for llama (Llama 3.2 has none)")
+            qkv_bias = False
+        else:
+            qkv_bias = True
+            sliding = d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or [])
+            if sliding:
+                raise ValueError(f"{source}: use_sliding_window / sliding_attention layers are not supported "
+                                 "for qwen2 (Qwen2.5 checkpoints do not use them)")
+        heads = int(d["num_attention_heads"])
+        rope_params = d.get("rope_parameters") or d.get("rope_scaling")
+        rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        try:
+            return cls(
+                model_type=model_type,
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=int(d["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+                head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                hidden_act=str(d.get("hidden_act", "silu")),
+                qkv_bias=qkv_bias,
+                attention_dropout=float(d.get("attention_dropout") or 0.0),
+                rope=L.RopeConfig.from_hf(rope_params, d.get("rope_theta", 10000.0), source, rope_key),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            )
+        except (TypeError, ValueError) as e:
+            if str(e).startswith(source):
+                raise
+            raise ValueError(f"{source}: invalid {model_type} config: {e}") from e
+
+
+class DecoderAttention(nn.Module):
+    """Grouped-query self attention with RoPE; q/k/v biases per ``config.qkv_bias``."""
+
+    config: DecoderConfig
+    deterministic: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        cfg = self.config
+        b, t, _ = x.shape
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        q = L.dense(cfg.num_attention_heads * cfg.head_dim, "q_proj", use_bias=cfg.qkv_bias, **kw)(x)
+        k = L.dense(cfg.num_key_value_heads * cfg.head_dim, "k_proj", use_bias=cfg.qkv_bias, **kw)(x)
+        v = L.dense(cfg.num_key_value_heads * cfg.head_dim, "v_proj", use_bias=cfg.qkv_bias, **kw)(x)
+        q = L.apply_rope(q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), cos, sin)
+        k = L.apply_rope(k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
+        v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+        drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
+        ctx = L.self_attention(q, k, v, mask, is_causal=True, dropout=drop)
+        return L.dense(cfg.hidden_size, "o_proj", use_bias=False, **kw)(ctx.reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    config: DecoderConfig
+    deterministic: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        cfg = self.config
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = L.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x)
+        x = x + DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, mask)
+        h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
+        return x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+
+
+def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
+    """Position ids ``cumsum(mask) - 1`` (0 on left padding): real tokens count from 0."""
+    return jnp.maximum(jnp.cumsum(attention_mask > 0, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+class DecoderModel(nn.Module):
+    """Llama / Qwen2 decoder returning the final-normed hidden states [B, L, H].
+
+    Attributes:
+      config: architecture.
+      dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
+      remat: recompute each block's activations in the backward pass.
+      scan_layers: run the blocks with ``nn.scan`` (parameters stacked under ``layers``).
+    """
+
+    config: DecoderConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    scan_layers: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, position_ids=None):
+        cfg = self.config
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_mask(attention_mask)
+        x = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
+                     dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")(input_ids)
+        cos, sin = L.rope_cos_sin(position_ids, L.rope_inv_freq(cfg.head_dim, cfg.rope))
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype)
+        x = L.run_layers(DecoderLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
+                         (cos, sin, L.key_padding_mask(attention_mask)), first=0,
+                         remat=self.remat, scan=self.scan_layers)
+        return L.RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)

@@ -1,0 +1,249 @@
+"""ModernBERT encoder in Flax linen (computes HF ``transformers.ModernBertModel``).
+
+Differences from BERT: token embeddings only, followed by a bias-free
+LayerNorm; pre-norm blocks (layer 0 has no attention norm); fused ``Wqkv``
+projection; RoPE (rotate-half) with one theta for global layers and another
+for local ones; global and local (sliding-window, ``|i - j| <= local_attention
+// 2``) attention alternating per ``layer_types``; GeGLU MLP with one fused
+``Wi`` (first half through the activation, second half the gate); no biases;
+a final LayerNorm. Inputs are right-padded; positions are ``0 .. L-1``.
+Parameters::
+
+    embeddings/tok_embeddings/embedding     [V, H]
+    embeddings/norm/scale                   [H]
+    layer_{i}/attn_norm/scale               [H]      (i > 0)
+    layer_{i}/attn/Wqkv/kernel              [H, 3H]
+    layer_{i}/attn/Wo/kernel                [H, H]
+    layer_{i}/mlp_norm/scale                [H]
+    layer_{i}/mlp/Wi/kernel                 [H, 2I]
+    layer_{i}/mlp/Wo/kernel                 [I, H]
+    final_norm/scale                        [H]
+
+With ``scan_layers=True`` layers 1..N-1 are stacked under ``layers`` (layer 0
+stays unrolled: it has no attention norm); the global/local choice then
+becomes a scanned boolean that selects the mask and the rotary tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infjax.models import layers as L
+
+ARCHITECTURE = "ModernBertModel"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModernBertConfig:
+    """Architecture of a ModernBERT encoder (HF field names where they exist)."""
+
+    vocab_size: int = 50368
+    hidden_size: int = 768
+    intermediate_size: int = 1152
+    num_hidden_layers: int = 22
+    num_attention_heads: int = 12
+    norm_eps: float = 1e-5
+    hidden_activation: str = "gelu"
+    layer_types: tuple[str, ...] = tuple("full_attention" if i % 3 == 0 else "sliding_attention" for i in range(22))
+    global_rope_theta: float = 160000.0
+    local_rope_theta: float = 10000.0
+    local_attention: int = 128           # total window; a token sees |i - j| <= local_attention // 2
+    embedding_dropout: float = 0.0
+    attention_dropout: float = 0.0       # on the attention probabilities and after Wo
+    mlp_dropout: float = 0.0
+
+    def __post_init__(self):
+        L.activation(self.hidden_activation, key="hidden_activation")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types={list(self.layer_types)} must list {self.num_hidden_layers} entries "
+                             f"from {list(LAYER_TYPES)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def window(self) -> int:
+        """Half window of the local layers (HF ``config.sliding_window``)."""
+        return self.local_attention // 2
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "ModernBertConfig":
+        """Build from an HF ModernBERT ``config.json`` (old ``global_rope_theta`` style or new ``rope_parameters``)."""
+        if d.get("model_type") != "modernbert":
+            raise ValueError(f"{source}: model_type={d.get('model_type')!r} is not a ModernBERT config "
+                             "(expected 'modernbert')")
+        missing = [k for k in _REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing required key(s) {missing} for a ModernBERT config")
+        for key in ("norm_bias", "attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise ValueError(f"{source}: {key}=true is not supported (ModernBERT-base has no biases)")
+        n = int(d["num_hidden_layers"])
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            every = int(d.get("global_attn_every_n_layers", 3))
+            layer_types = ["sliding_attention" if i % every else "full_attention" for i in range(n)]
+        rope = d.get("rope_parameters") or {}
+        thetas = {}
+        for kind, old_key, default in (("full_attention", "global_rope_theta", 160000.0),
+                                       ("sliding_attention", "local_rope_theta", 10000.0)):
+            params = rope.get(kind) or {}
+            r = L.RopeConfig.from_hf(params, d.get(old_key, default), source, f"rope_parameters.{kind}")
+            if r.rope_type != "default":
+                raise ValueError(f"{source}: rope_parameters.{kind} rope_type={r.rope_type!r} is not supported "
+                                 "for ModernBERT (only 'default')")
+            thetas[kind] = r.theta
+        try:
+            return cls(
+                vocab_size=int(d["vocab_size"]),
+                hidden_size=int(d["hidden_size"]),
+                intermediate_size=int(d["intermediate_size"]),
+                num_hidden_layers=n,
+                num_attention_heads=int(d["num_attention_heads"]),
+                norm_eps=float(d.get("norm_eps", 1e-5)),
+                hidden_activation=str(d.get("hidden_activation", "gelu")),
+                layer_types=tuple(layer_types),
+                global_rope_theta=thetas["full_attention"],
+                local_rope_theta=thetas["sliding_attention"],
+                local_attention=int(d.get("local_attention", 128)),
+                embedding_dropout=float(d.get("embedding_dropout") or 0.0),
+                attention_dropout=float(d.get("attention_dropout") or 0.0),
+                mlp_dropout=float(d.get("mlp_dropout") or 0.0),
+            )
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: invalid ModernBERT config: {e}") from e
+
+
+class ModernBertEmbeddings(nn.Module):
+    """Token embeddings -> LayerNorm (no bias) -> dropout."""
+
+    config: ModernBertConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, input_ids, deterministic: bool):
+        cfg = self.config
+        x = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
+                     dtype=self.dtype, param_dtype=self.param_dtype, name="tok_embeddings")(input_ids)
+        x = L.layer_norm(cfg.norm_eps, "norm", dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        return nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
+
+
+class ModernBertAttention(nn.Module):
+    """Fused-QKV self attention with RoPE; the mask carries padding and the local window."""
+
+    config: ModernBertConfig
+    deterministic: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        cfg = self.config
+        b, t, _ = x.shape
+        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        qkv = L.dense(3 * cfg.hidden_size, "Wqkv", **kw)(x).reshape(b, t, 3, cfg.num_attention_heads, cfg.head_dim)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        train_drop = not self.deterministic and cfg.attention_dropout > 0.0
+        ctx = L.self_attention(q, k, v, mask, dropout=nn.Dropout(cfg.attention_dropout) if train_drop else None)
+        out = L.dense(cfg.hidden_size, "Wo", **kw)(ctx.reshape(b, t, cfg.hidden_size))
+        return nn.Dropout(cfg.attention_dropout)(out, deterministic=self.deterministic)
+
+
+class ModernBertMLP(nn.Module):
+    """GeGLU: ``Wo(act(input) * gate)`` with ``input, gate = split(Wi(x))``."""
+
+    config: ModernBertConfig
+    deterministic: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+        a, gate = jnp.split(L.dense(2 * cfg.intermediate_size, "Wi", **kw)(x), 2, axis=-1)
+        h = L.gated(L.ACTIVATIONS[cfg.hidden_activation], a, gate)
+        h = nn.Dropout(cfg.mlp_dropout)(h, deterministic=self.deterministic)
+        return L.dense(cfg.hidden_size, "Wo", **kw)(h)
+
+
+class ModernBertLayer(nn.Module):
+    """Pre-norm block; ``first`` (layer 0) has no attention norm."""
+
+    config: ModernBertConfig
+    first: bool = False
+    deterministic: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, cos, sin, mask):
+        cfg = self.config
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        h = x if self.first else L.layer_norm(cfg.norm_eps, "attn_norm", **kw)(x)
+        x = x + ModernBertAttention(cfg, self.deterministic, name="attn", **kw)(h, cos, sin, mask)
+        h = L.layer_norm(cfg.norm_eps, "mlp_norm", **kw)(x)
+        return x + ModernBertMLP(cfg, self.deterministic, name="mlp", **kw)(h)
+
+
+def _select(is_global, cos_g, sin_g, mask_g, cos_l, sin_l, mask_l):
+    """Rotary tables and mask of a global (True) or local layer; static bool or traced scalar."""
+    if isinstance(is_global, (bool, np.bool_)):
+        return (cos_g, sin_g, mask_g) if is_global else (cos_l, sin_l, mask_l)
+    return (jnp.where(is_global, cos_g, cos_l), jnp.where(is_global, sin_g, sin_l),
+            jnp.where(is_global, jnp.broadcast_to(mask_g, mask_l.shape), mask_l))
+
+
+class ModernBertModel(nn.Module):
+    """ModernBERT encoder returning the final-normed hidden states [B, L, H].
+
+    Attributes:
+      config: architecture.
+      dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
+      remat: recompute each block's activations in the backward pass.
+      scan_layers: run layers 1..N-1 with ``nn.scan`` (parameters stacked under ``layers``).
+    """
+
+    config: ModernBertConfig
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    remat: bool = False
+    scan_layers: bool = False
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, deterministic: bool = True):
+        cfg = self.config
+        if attention_mask is None:
+            attention_mask = jnp.ones_like(input_ids)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        x = ModernBertEmbeddings(cfg, name="embeddings", **kw)(input_ids, deterministic)
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        cos_g, sin_g = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.global_rope_theta)))
+        cos_l, sin_l = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.local_rope_theta)))
+        mask_g = L.key_padding_mask(attention_mask)
+        idx = np.arange(t)
+        mask_l = mask_g & jnp.asarray(np.abs(idx[:, None] - idx[None, :]) <= cfg.window)[None, None]
+        shared = (cos_g, sin_g, mask_g, cos_l, sin_l, mask_l)
+        is_global = [kind == "full_attention" for kind in cfg.layer_types]
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
+        x = L.run_layers(ModernBertLayer, {**layer_kwargs, "first": True}, x, is_global[:1], shared,
+                         first=0, remat=self.remat, scan=False, select=_select)
+        if cfg.num_hidden_layers > 1:
+            x = L.run_layers(ModernBertLayer, layer_kwargs, x, is_global[1:], shared, first=1,
+                             remat=self.remat, scan=self.scan_layers, select=_select)
+        return L.layer_norm(cfg.norm_eps, "final_norm", **kw)(x)

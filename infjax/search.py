@@ -1,0 +1,115 @@
+"""Exact maximum-inner-product search: blocked matrix products with a running top-k, in JAX.
+
+The corpus embeddings stay on the host (a numpy array or a memory map) and
+stream through the devices one block at a time, so a corpus larger than
+device memory can be searched. Each block is split over the mesh's batch
+axes; every device scores its slice against all queries, keeps its own
+top-k (`jax.lax.top_k`), the per-device candidates are gathered and cut to
+k, and that is merged with the running top-k of the earlier blocks. Scores
+are float32 (`preferred_element_type`) whatever the embedding dtype.
+
+Ties: candidates are always concatenated in corpus order and `top_k` keeps
+the lower index first among equal values (XLA's top-k is stable on CPU), so
+the result equals a stable descending argsort on CPU; on GPU/TPU ties exactly
+at the k-th place may resolve differently.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from infjax.training.mesh import BATCH_AXES, replicated
+
+
+def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:
+    """jitted (queries [Q, d], block [B, d], n_valid, offset, best_v [Q, k], best_i [Q, k]) -> merged top-k."""
+    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    local = block_size // n_shards
+
+    def per_device(q, block, n_valid, offset):
+        shard = jax.lax.axis_index(BATCH_AXES)
+        s = jnp.einsum("qd,nd->qn", q, block, preferred_element_type=jnp.float32)
+        pos = shard * local + jnp.arange(local)                       # position inside the block
+        s = jnp.where(pos[None, :] < n_valid, s, -jnp.inf)            # padding rows never win
+        v, i = jax.lax.top_k(s, k_local)
+        i = (i + shard * local).astype(jnp.int32) + offset
+        # Gather every device's candidates (device order = corpus order) and keep k of them.
+        v = jax.lax.all_gather(v, BATCH_AXES, axis=1, tiled=True)
+        i = jax.lax.all_gather(i, BATCH_AXES, axis=1, tiled=True)
+        return v, i
+
+    sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(BATCH_AXES), P(), P()),
+                            out_specs=(P(), P()), check_vma=False)
+
+    def step(q, block, n_valid, offset, best_v, best_i):
+        v, i = sharded(q, block, n_valid, offset)
+        v = jnp.concatenate([best_v, v], axis=1)                      # earlier blocks first: ties keep order
+        i = jnp.concatenate([best_i, i], axis=1)
+        v, j = jax.lax.top_k(v, k)
+        return v, jnp.take_along_axis(i, j, axis=1)
+
+    repl = replicated(mesh)
+    return jax.jit(step, in_shardings=(repl, NamedSharding(mesh, P(BATCH_AXES)), repl, repl, repl, repl),
+                   out_shardings=(repl, repl), donate_argnums=(4, 5))
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_block_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:
+    return _block_topk_fn(mesh, block_size, k_local, k)
+
+
+def search(queries: np.ndarray, corpus: np.ndarray, k: int, mesh: Mesh | None = None,
+           block_size: int = 65536, query_block: int = 4096, progress: bool = False
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k corpus rows by inner product for every query.
+
+    queries [Q, d], corpus [N, d] (numpy, may be a memmap). Returns
+    (scores [Q, min(k, N)] float32 descending, indices [Q, min(k, N)] int32).
+    The corpus is read block by block (`block_size` rows, rounded up to a
+    multiple of the mesh's batch shards); queries go `query_block` at a time.
+    """
+    if queries.ndim != 2 or corpus.ndim != 2 or queries.shape[1] != corpus.shape[1]:
+        raise ValueError(f"search: queries {queries.shape} and corpus {corpus.shape} must be [Q, d] and [N, d]")
+    if k < 1:
+        raise ValueError(f"search: k must be >= 1, got {k}")
+    n, q_total = corpus.shape[0], queries.shape[0]
+    k = min(k, n)
+    if q_total == 0 or k == 0:
+        return np.zeros((q_total, k), np.float32), np.zeros((q_total, k), np.int32)
+    if mesh is None:
+        from infjax.training.mesh import make_mesh
+        import ml_collections
+
+        mesh = make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    block = min(block_size, n)
+    block = -(-block // n_shards) * n_shards                          # a multiple of the shards
+    k_local = min(k, block // n_shards)
+    fn = _cached_block_fn(mesh, block, k_local, k)
+    repl, blk_sharding = replicated(mesh), NamedSharding(mesh, P(BATCH_AXES))
+
+    starts = range(0, n, block)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="search", unit="block", dynamic_ncols=True, leave=False)
+    q_chunks = [np.asarray(queries[s:s + query_block], np.float32) for s in range(0, q_total, query_block)]
+    best = [(jax.device_put(np.full((len(qc), k), -np.inf, np.float32), repl),
+             jax.device_put(np.full((len(qc), k), -1, np.int32), repl)) for qc in q_chunks]
+    q_dev = [jax.device_put(qc, repl) for qc in q_chunks]
+    for start in starts:
+        rows = np.asarray(corpus[start:start + block], np.float32)
+        n_valid = rows.shape[0]
+        if n_valid < block:
+            rows = np.concatenate([rows, np.zeros((block - n_valid, rows.shape[1]), np.float32)])
+        rows = jax.device_put(rows, blk_sharding)
+        for c, qd in enumerate(q_dev):
+            best[c] = fn(qd, rows, jnp.int32(n_valid), jnp.int32(start), *best[c])
+    scores = np.concatenate([np.asarray(v) for v, _ in best])
+    indices = np.concatenate([np.asarray(i) for _, i in best])
+    return scores, indices

