@@ -118,12 +118,20 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.eval = ml_collections.ConfigDict()
     c.eval.synthetic = True            # p-MRR / nDCG@5 on the synthetic split before and after training
     c.eval.batch_size = 64             # texts per encoder call during evaluation
+    c.eval.sets = ""                   # comma-separated datasets to evaluate during training, as for
+                                       # infjax.evaluate --dataset (e.g. "beir:/data/scifact,synthetic")
+    c.eval.every = 0                   # steps between evaluations of eval.sets (0 = only at the end)
 
     preset = c.preset
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r} (config argument); choose one of {sorted(PRESETS)}")
     overrides = dict(PRESETS[preset]) if preset == "embedded" else {**HUB_DATA, **PRESETS[preset]}
-    for key, value in overrides.items():
+    return override(c, overrides)
+
+
+def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
+    """Set dotted keys ("train.steps") in place, as --config.a.b=value does; returns `c`."""
+    for key, value in values.items():
         node = c
         *parents, leaf = key.split(".")
         for p in parents:
@@ -157,6 +165,10 @@ def incompatible_changes(saved: dict, current: dict) -> list[tuple[str, object, 
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             diffs.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
     return diffs
+
+
+def eval_specs(c: ml_collections.ConfigDict) -> list[str]:
+    return [s.strip() for s in c.eval.sets.split(",") if s.strip()]
 
 
 class ConfigError(ValueError):
@@ -221,6 +233,14 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
     _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")
+    _check(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = only at the end)")
+    from infjax.eval_data import DataError, parse_spec
+
+    for spec in eval_specs(c):
+        try:
+            parse_spec(spec)
+        except DataError as e:
+            raise ConfigError(f"config.eval.sets={c.eval.sets!r}: {e}") from None
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
     _check(c.mesh.fsdp == 1, "mesh.fsdp", c.mesh.fsdp, "parameter sharding is not implemented yet; use 1")
     _check(c.mesh.tensor == 1, "mesh.tensor", c.mesh.tensor, "tensor parallelism is not implemented yet; use 1")

@@ -134,6 +134,14 @@ def _load_cached(spec: str, split: str | None, instruction: str, synthetic_key: 
     return tuple(eval_data.load(spec, split=split, instruction=instruction, synthetic_defaults=defaults))
 
 
+def preload(specs: list[str], *, split: str | None = None, instruction: str = "",
+            synthetic_defaults: dict | None = None) -> None:
+    """Load (and keep) the datasets of `specs` now, so that a bad file fails before training starts."""
+    key = json.dumps(synthetic_defaults, sort_keys=True) if synthetic_defaults else None
+    for spec in specs:
+        _load_cached(spec, split, instruction, key)
+
+
 def evaluate_during_training(specs: list[str], embed_query: EmbedFn, embed_passage: EmbedFn, fmt: TextFormat, *,
                              embed_pairs: PairEmbedFn | None = None, top_k: int = 100, split: str | None = None,
                              instruction: str = "", synthetic_defaults: dict | None = None,

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from infjax import config as config_lib
+from infjax import evaluate as evaluate_lib
 from infjax import losses
 from infjax.data import batches, synthetic
 from infjax.data.tokenize import TextFormat, Tokenizer
@@ -192,6 +193,18 @@ def run(config, workdir: str) -> dict:
             runs = rerank(split, lambda t: embedder(qp, t, config.data.query_max_len), embed_passage, fmt)
         return dict(followir_metrics(split, *runs), step=int(st.step))
 
+    specs = config_lib.eval_specs(config)
+    if specs:
+        evaluate_lib.preload(specs, synthetic_defaults=config.data.synthetic.to_dict())
+
+    def evaluate_sets(st) -> dict:
+        qp, pp = query_params(st.params), passage_params(st.params)
+        pairs = (lambda i, q: pair_embedder(st.params, i, q, config.data.query_max_len)) if cross else None
+        return evaluate_lib.evaluate_during_training(
+            specs, lambda t: embedder(qp, t, config.data.query_max_len),
+            lambda t: embedder(pp, t, config.data.passage_max_len), fmt, embed_pairs=pairs,
+            synthetic_defaults=config.data.synthetic.to_dict(), mesh=mesh)
+
     results = {}
     if split is not None:
         results["before"] = evaluate(state)
@@ -233,6 +246,11 @@ def run(config, workdir: str) -> dict:
                     writer.write({"step": done, **metrics})
                     if hasattr(progress, "set_postfix"):
                         progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+                if specs and (done == steps or (config.eval.every and done % config.eval.every == 0)):
+                    scores = evaluate_sets(state)
+                    log.info("eval at step %d: %s", done, "  ".join(
+                        f"{spec} {v['main']:.4f}" for spec, v in scores.items()))
+                    writer.write({"step": done, "eval": scores})
                 preempted = preemption.received or (
                     "preemption" if jax.process_count() > 1 and ckpts.reached_preemption(done) else None)
                 if done % config.checkpoint.every == 0 or done == steps or preempted:
@@ -278,7 +296,7 @@ def main(argv) -> None:
     try:
         run(config, workdir or os.path.join("runs", config.objective))
     except (config_lib.ConfigError, BadRowError, MissingColumnError, FileNotFoundError, FileExistsError,
-            PermissionError, checkpoint.CheckpointReadError) as e:
+            PermissionError, checkpoint.CheckpointReadError, evaluate_lib.DataError) as e:
         log.error("%s", e)      # a user-facing error: the message names the key, file, row or field
         sys.exit(2)
     except (NonFiniteError, OSError) as e:

@@ -39,13 +39,7 @@ def small_config(**overrides):
     c.log_every = 3
     c.checkpoint.every = 3
     c.eval.synthetic = False
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return config_lib.override(c, overrides)
 
 
 @pytest.fixture(scope="module")

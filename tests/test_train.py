@@ -30,13 +30,7 @@ def small_config(objective="multi_pi", **overrides):
     c.log_every = 2
     c.checkpoint.every = 3
     c.eval.batch_size = 32
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return config_lib.override(c, overrides)
 
 
 def batch_loss(config, params, step=0):
@@ -158,3 +152,20 @@ def test_load_run_restores_the_trained_parameters(trained):
     assert any(changed)
     with pytest.raises(FileNotFoundError, match="saved steps"):
         load_run(workdir, step=5)
+
+
+def test_eval_sets_run_during_training_and_land_in_metrics(tmp_path):
+    config = small_config(**{"train.steps": 2, "eval.synthetic": False, "eval.sets": "synthetic",
+                             "eval.every": 1, "data.synthetic.num_eval_queries": 4})
+    train.run(config, str(tmp_path))
+    evals = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if '"eval"' in l]
+    assert [e["step"] for e in evals] == [1, 2]
+    summary = evals[-1]["eval"]["synthetic"]
+    assert np.isfinite(summary["p_mrr"]) and 0 <= summary["ndcg@5"] <= 1
+
+
+def test_bad_eval_set_is_refused_before_training(tmp_path):
+    with pytest.raises(config_lib.ConfigError, match="config.eval.sets"):
+        train.run(small_config(**{"eval.sets": "trec:/nowhere"}), str(tmp_path))
+    with pytest.raises(Exception, match="nowhere"):
+        train.run(small_config(**{"eval.sets": "beir:/nowhere"}), str(tmp_path / "b"))
