@@ -103,11 +103,17 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.train.grad_clip = 1.0            # global-norm clipping (0 = off)
     c.train.seed = 42                  # root seed: data order, instruction negatives, dropout
     c.train.nonfinite = "skip"         # a non-finite loss or gradient: skip the update (counted) | stop
+    c.train.chunk_size = 0             # gradient caching: rows per encoder pass (0 = off, one pass per input);
+                                       # must divide the rows per global batch and be a multiple of
+                                       # mesh.data * mesh.fsdp (the batch shards)
+    c.train.moments_dtype = "float32"  # AdamW first moment: float32 | bfloat16 (the second stays float32)
 
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1                   # data-parallel axis size (-1 = all devices)
-    c.mesh.fsdp = 1                    # parameter-sharding axis (only 1 is supported so far)
-    c.mesh.tensor = 1                  # tensor-parallel axis (only 1 is supported so far)
+    c.mesh.data = -1                   # data-parallel axis size (-1 = the remaining devices)
+    c.mesh.fsdp = 1                    # parameters and optimizer state sharded over this axis (ZeRO-3 style);
+                                       # the batch is split over data x fsdp
+    c.mesh.tensor = 1                  # tensor-parallel axis (attention/MLP projections split); at most one
+                                       # of data, fsdp, tensor may be -1
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every = 500           # steps between checkpoints (one is always written at the end)
@@ -142,6 +148,7 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "train.steps", "train.epochs", "train.nonfinite",
+                     "train.chunk_size",
                      "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
 
 
@@ -242,15 +249,35 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
         except DataError as e:
             raise ConfigError(f"config.eval.sets={c.eval.sets!r}: {e}") from None
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
-    _check(c.mesh.fsdp == 1, "mesh.fsdp", c.mesh.fsdp, "parameter sharding is not implemented yet; use 1")
-    _check(c.mesh.tensor == 1, "mesh.tensor", c.mesh.tensor, "tensor parallelism is not implemented yet; use 1")
-    _check(c.mesh.data == -1 or c.mesh.data >= 1, "mesh.data", c.mesh.data, "must be -1 (all devices) or >= 1")
+    _check(c.train.chunk_size >= 0, "train.chunk_size", c.train.chunk_size, "must be >= 0 (0 = off)")
+    _check(c.train.moments_dtype in ("float32", "bfloat16"), "train.moments_dtype", c.train.moments_dtype,
+           "must be float32 or bfloat16")
+    sizes = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
+    for axis, size in sizes.items():
+        _check(isinstance(size, int) and (size == -1 or size >= 1), f"mesh.{axis}", size,
+               "must be -1 (the remaining devices) or >= 1")
+    _check(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis may be -1")
+    rows = c.train.batch_size * (3 if c.data.hard_negatives else 1)
     if num_devices is not None:
-        data = num_devices if c.mesh.data == -1 else c.mesh.data
-        _check(data <= num_devices and num_devices % data == 0, "mesh.data", c.mesh.data,
-               f"must divide the {num_devices} available devices")
-        rows = c.train.batch_size * (3 if c.data.hard_negatives else 1)
-        _check(rows % data == 0, "train.batch_size", c.train.batch_size,
-               f"gives {rows} rows per global batch, not divisible by the data axis ({data} devices)")
+        fixed = 1
+        for size in sizes.values():
+            fixed *= size if size != -1 else 1
+        free = [a for a, size in sizes.items() if size == -1]
+        _check(fixed <= num_devices and num_devices % fixed == 0, f"mesh.{free[0] if free else 'data'}",
+               sizes[free[0] if free else "data"],
+               f"mesh {sizes} does not divide the {num_devices} available devices")
+        if free:
+            sizes[free[0]] = num_devices // fixed
+        shards = sizes["data"] * sizes["fsdp"]
+        _check(rows % shards == 0, "train.batch_size", c.train.batch_size,
+               f"gives {rows} rows per global batch, not divisible by the batch shards "
+               f"(mesh.data x mesh.fsdp = {shards})")
         _check(rows % num_processes == 0, "train.batch_size", c.train.batch_size,
                f"gives {rows} rows per global batch, not divisible by the {num_processes} processes")
+        if c.train.chunk_size:
+            _check(rows % c.train.chunk_size == 0 and c.train.chunk_size % shards == 0, "train.chunk_size",
+                   c.train.chunk_size, f"must divide the {rows} rows per global batch and be a multiple of the "
+                   f"{shards} batch shards (mesh.data x mesh.fsdp)")
+    elif c.train.chunk_size:
+        _check(rows % c.train.chunk_size == 0, "train.chunk_size", c.train.chunk_size,
+               f"must divide the {rows} rows per global batch")

@@ -37,6 +37,33 @@ from infjax.models.hf_modernbert import modernbert_params_to_hf
 from infjax.models.modernbert import ARCHITECTURE as MODERNBERT_ARCHITECTURE, ModernBertConfig
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
+INTERACTION_FILE = "interaction_head.safetensors"
+INTERACTION_README = """
+## Interaction II (cross-attention) head
+
+This run combines instruction and query with the learned head in
+`interaction_head.safetensors` (float32 `w_i`, `w_q1`, `w_q2`, each d x d;
+infjax.models.interaction). The passage embedding is the encoder's as usual.
+The instruction-aware query embedding is NOT the encoder's output for one
+text; build it from the instruction I and the query Q encoded apart (each
+with the query prefix):
+
+```python
+import torch
+from safetensors.torch import load_file
+from sentence_transformers import SentenceTransformer
+from transformers import AutoModel, AutoTokenizer
+
+head = load_file("DIR/interaction_head.safetensors")
+st, model, tok = SentenceTransformer("DIR"), AutoModel.from_pretrained("DIR"), AutoTokenizer.from_pretrained("DIR")
+i = st.encode([prefix + I], convert_to_tensor=True)[0]                 # pooled, L2-normalized
+t = tok([prefix + Q], return_tensors="pt")
+h = model(**t).last_hidden_state[0]                                     # the query's token states
+logits = (i @ head["w_i"]) @ (h @ head["w_q1"]).T / h.shape[-1] ** 0.5  # one key per real token
+iq = torch.softmax(logits, -1) @ (h @ head["w_q2"])
+iq = iq / iq.norm()                                                     # score: iq @ passage embedding
+```
+"""
 
 # sentence-transformers pooling config key per infjax pooling kind.
 _ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
@@ -277,10 +304,10 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     out = os.path.abspath(os.path.expanduser(out))
     shard_bytes = parse_size(max_shard_size)
     _check_out(out, overwrite)
-    extra = sorted(set(params) - {"shared", "query", "passage"})
+    extra = sorted(set(params) - {"shared", "query", "passage", "interaction"})
     if extra:
-        raise ExportError(f"parameters {extra} (e.g. an interaction head) have no place in a Hugging Face / "
-                          "sentence-transformers folder; only plain bi-encoders can be exported")
+        raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
+    head = params.get("interaction")
     if "shared" in params:
         parts = {"": (params["shared"], max(query_max_len, passage_max_len))}
     elif {"query", "passage"} <= set(params):
@@ -299,12 +326,18 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                hf_config=hf_config, base_path=base_path, pooling=pooling,
                                padding_side=padding_side, max_seq_length=max_len, query_prefix=query_prefix,
                                passage_prefix=passage_prefix, max_shard_size=shard_bytes)
+        if head is not None:
+            from safetensors.numpy import save_file
+
+            save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in head.items()},
+                      os.path.join(tmp, INTERACTION_FILE))
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(readme_text(separate="shared" not in params, base=base or base_path, family=family,
                                 pooling=pooling,
                                 padding_side=padding_side, query_template=query_template,
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
-                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step))
+                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step)
+                    + (INTERACTION_README if head is not None else ""))
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -323,10 +356,6 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
     _check_out(out_abs, overwrite)          # fail before the (slow) restore
     run = load_run(workdir, step)
     config = run.config
-    interaction = config.model.get("interaction", "concat")
-    if interaction != "concat":
-        raise ExportError(f"the run uses config.model.interaction={interaction!r}; its query embedding needs the "
-                          "interaction head, which the Hugging Face / sentence-transformers format cannot hold")
     family = detect_family(run.base_path, config.model.get("family", "auto"))
     return export_model(
         out_abs, family=family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),

@@ -119,6 +119,27 @@ class MetricsWriter:
                 f.write(json.dumps(record) + "\n")
 
 
+def make_batch_builder(config, records, encoder, model_path: str, objective: losses.Objective):
+    """(tokenizer, text format, batch plan, builder of this process's slice of each global batch)."""
+    tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
+    fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    cross = config.model.interaction == "cross_attention"
+    sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+               if objective.needs_instruction_negatives and not cross else None)
+    build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
+                                 config.data.passage_max_len, config.data.hard_negatives, sampler,
+                                 jax.process_index(), jax.process_count(), config.model.interaction)
+    return tokenizer, fmt, plan, build
+
+
+def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding):
+    """The jitted train step (explicit shardings, donated state), with gradient caching per config."""
+    return step_lib.jit_train_step(
+        step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout,
+                                 config.train.chunk_size, mesh), mesh, state_sharding)
+
+
 def run(config, workdir: str) -> dict:
     """Train per `config` in `workdir`.
 
@@ -132,16 +153,9 @@ def run(config, workdir: str) -> dict:
     # Data and model: files are read here, before anything compiles.
     encoder, params, model_path = load_encoder(config.model)
     records = load_training_records(config.data, config.train.seed)
-    tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
-    fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
     objective = make_objective(config)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     cross = config.model.interaction == "cross_attention"    # Interaction II: in-batch instruction pairs
-    sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-               if objective.needs_instruction_negatives and not cross else None)
-    build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
-                                 config.data.passage_max_len, config.data.hard_negatives, sampler,
-                                 jax.process_index(), jax.process_count(), config.model.interaction)
+    tokenizer, fmt, plan, build = make_batch_builder(config, records, encoder, model_path, objective)
     steps = total_steps(config, plan)
     log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
              build.global_rows, plan.steps_per_epoch, steps)
@@ -149,15 +163,11 @@ def run(config, workdir: str) -> dict:
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
-    repl = mesh_lib.replicated(mesh)
-    abstract = jax.eval_shape(lambda p: state_lib.create_state(p, optimizer, config.train.seed), params)
-    checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(abstract))
-    state_sharding = jax.tree.map(lambda _: repl, abstract)
-    create = jax.jit(lambda p: state_lib.create_state(p, optimizer, config.train.seed), out_shardings=state_sharding)
-    state = create(jax.device_put(params, repl))
+    checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
+        state_lib.abstract_state(params, optimizer, config.train.seed)))
+    state, state_sharding = state_lib.create_sharded_state(params, optimizer, config.train.seed, encoder.module, mesh)
     del params
-    train_step = step_lib.jit_train_step(
-        step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout), mesh, state_sharding)
+    train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding)
 
     config_json = json.loads(config.to_json_best_effort())
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
@@ -291,6 +301,11 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+    from infjax.training import distributed
+
+    distributed.initialize()       # multi-host start-up, before any device is touched
+    if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
+        logging.getLogger("infjax").setLevel(logging.WARNING)
     from infjax.data.inf_ir import BadRowError, MissingColumnError
 
     try:

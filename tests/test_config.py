@@ -49,7 +49,7 @@ def test_default_preset_is_embedded_and_hub_presets_point_at_hub_ids():
     ("model.pooling", "max", "config.model.pooling='max'"),
     ("data.query_template", "{query}", "config.data.query_template"),
     ("data.on_bad_row", "ignore", "config.data.on_bad_row='ignore'"),
-    ("mesh.fsdp", 2, "config.mesh.fsdp=2"),
+    ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
     ("mesh.data", 3, "config.mesh.data=3"),
 ])
 def test_invalid_values_are_refused_with_the_key(key, value, message):

@@ -232,3 +232,42 @@ def test_decoder_export_left_padding_last_token(tmp_path):
     cos = _cosines(ours, _st_embed(out, TEXTS))
     print("decoder export cosine (SentenceTransformer vs infjax): min", cos.min())
     assert cos.min() >= 0.9999, cos
+
+
+def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
+    """A cross-attention run: the exported head + encoder, used as DIR/README.md says, give infjax's iq."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoTokenizer
+
+    from infjax.data.tokenize import TextFormat
+    from infjax.interaction_inference import CrossAttentionQueryEmbedder
+    from infjax.training import mesh as mesh_lib
+    from tests.test_train import small_config as train_config
+
+    workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
+    config = train_config(**{"model.interaction": "cross_attention", "train.steps": 2, "eval.synthetic": False})
+    train.run(config, workdir)
+    export.main(["--workdir", workdir, "--out", out])
+    assert "interaction_head.safetensors" in os.listdir(out)
+    assert "Interaction II" in open(os.path.join(out, "README.md")).read()
+
+    run = load_run(workdir)
+    mesh = mesh_lib.make_mesh(run.config.mesh)
+    embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, Tokenizer(run.base_path), TextFormat(), 8)
+    pairs = [("Relevance rule: it must be about somewhere in Asia.", "effects of tidal energy"),
+             ("Only count a document as relevant if its position must be critical.", "rural broadband impact")]
+    want = embedder(run.params, [i for i, _ in pairs], [q for _, q in pairs], 48)
+
+    head = load_file(os.path.join(out, "interaction_head.safetensors"))
+    st = SentenceTransformer(out, device="cpu")
+    model, tok = AutoModel.from_pretrained(out).eval(), AutoTokenizer.from_pretrained(out)
+    for (ins, q), w in zip(pairs, want):
+        with torch.no_grad():
+            i = st.encode([ins], convert_to_tensor=True)[0]
+            h = model(**tok([q], return_tensors="pt")).last_hidden_state[0]
+            logits = (i @ head["w_i"]) @ (h @ head["w_q1"]).T / h.shape[-1] ** 0.5
+            iq = torch.softmax(logits, -1) @ (h @ head["w_q2"])
+            iq = (iq / iq.norm()).numpy()
+        assert float(iq @ w) >= 0.9999

@@ -295,17 +295,6 @@ def _expected_shapes(config: BertConfig) -> dict[tuple[str, ...], tuple[int, ...
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
-def _strip_prefix(tensors: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop a leading ``bert.`` (BertFor* checkpoints); refuse ambiguous duplicates."""
-    out: dict[str, Any] = {}
-    for name, value in tensors.items():
-        short = name[len(_HF_PREFIX):] if name.startswith(_HF_PREFIX) else name
-        if short in out:
-            raise ValueError(f"tensor {short!r} appears both with and without the {_HF_PREFIX!r} prefix")
-        out[short] = value
-    return out
-
-
 def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     """``tree[p0][p1]...[pn] = value``, creating intermediate dicts."""
     for key in path[:-1]:
@@ -330,33 +319,8 @@ def bert_params_from_hf(tensors: Mapping[str, np.ndarray], config: BertConfig) -
     listing missing tensors, unexpected tensors (``pooler.*``, ``cls.*`` and
     ``embeddings.position_ids`` are ignored) and shape mismatches.
     """
-    tensors = _strip_prefix(tensors)
-    shapes = _expected_shapes(config)
-    params: dict = {}
-    known, missing, bad_shape = set(), [], []
-    for hf_name, path, transpose in bert_name_map(config):
-        known.add(hf_name)
-        if hf_name not in tensors:
-            missing.append(hf_name)
-            continue
-        value = np.asarray(tensors[hf_name], dtype=np.float32)
-        value = np.ascontiguousarray(value.T) if transpose else value
-        if value.shape != shapes[path]:
-            bad_shape.append(f"{hf_name}: expected {shapes[path][::-1] if transpose else shapes[path]}, "
-                             f"got {tuple(np.shape(tensors[hf_name]))}")
-            continue
-        _set_path(params, path, value)
-    unexpected = sorted(n for n in tensors if n not in known and not _IGNORABLE.match(n))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {unexpected}")
-    if bad_shape:
-        problems.append(f"shape mismatches: {bad_shape}")
-    if problems:
-        raise ValueError("checkpoint does not match the BERT config; " + "; ".join(problems))
-    return params
+    return params_from_hf(tensors, bert_name_map(config), _expected_shapes(config), what="BERT",
+                          prefixes=(_HF_PREFIX,), ignorable=_IGNORABLE)
 
 
 def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> dict[str, np.ndarray]:

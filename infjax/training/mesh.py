@@ -9,21 +9,37 @@ AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")     # the batch's leading dimension is split over both
 
 
+def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) sizes; at most one axis is -1 and takes the remaining devices."""
+    sizes = [int(mesh_config[a]) for a in AXES]
+    free = [i for i, s in enumerate(sizes) if s == -1]
+    if len(free) > 1 or any(s < 1 and s != -1 for s in sizes):
+        raise ValueError(f"config.mesh {dict(zip(AXES, sizes))}: sizes must be >= 1, at most one -1")
+    if free:
+        rest = int(np.prod([s for s in sizes if s != -1]))
+        sizes[free[0]] = max(num_devices // rest, 1)
+    return tuple(sizes)
+
+
 def make_mesh(mesh_config, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh from `config.mesh`; data=-1 takes the remaining devices.
+    """A (data, fsdp, tensor) mesh from `config.mesh`; an axis of -1 takes the remaining devices.
 
     Axis types are Auto so that sharding propagation inserts the collectives
     (e.g. the all-gather behind iq @ p.T with both operands split on data).
     """
     devices = list(devices if devices is not None else jax.devices())
-    fsdp, tensor = mesh_config.fsdp, mesh_config.tensor
-    data = len(devices) // (fsdp * tensor) if mesh_config.data == -1 else mesh_config.data
+    data, fsdp, tensor = mesh_shape(mesh_config, len(devices))
     n = data * fsdp * tensor
     if n < 1 or n > len(devices):
-        raise ValueError(f"config.mesh (data={mesh_config.data}, fsdp={fsdp}, tensor={tensor}) needs {n} devices, "
-                         f"{len(devices)} available")
+        raise ValueError(f"config.mesh (data={mesh_config.data}, fsdp={mesh_config.fsdp}, "
+                         f"tensor={mesh_config.tensor}) needs {n} devices, {len(devices)} available")
     grid = np.asarray(devices[:n]).reshape(data, fsdp, tensor)
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces the batch's leading dimension is split into."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -38,3 +54,15 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     """Global arrays from this process's slice of the batch (leading dim split over BATCH_AXES)."""
     sharding = batch_sharding(mesh)
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def put(tree, shardings):
+    """Place a host tree (every process holds the same values) onto `shardings`; each process
+    fills only its own devices' shards, so this works across hosts. Always a new array (callers may
+    donate it)."""
+    def one(x, s):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return jax.device_put(x, s)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
+    return jax.tree.map(one, tree, shardings)

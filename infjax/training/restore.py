@@ -28,7 +28,8 @@ def saved_steps(workdir: str) -> list[int]:
 
 
 def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
-    """The run's model at `step` (default: the latest), params replicated on `mesh` (default: all devices)."""
+    """The run's model at `step` (default: the latest) on `mesh` (default: all devices on the data axis),
+    laid out by the family's partition rules (replicated when the mesh has fsdp = tensor = 1)."""
     steps = saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
@@ -41,9 +42,8 @@ def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
         encoder, params, base_path = load_encoder(config.model)
         optimizer, _ = state_lib.make_optimizer(config.train, total_steps=1)
         mesh = mesh or mesh_lib.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-        repl = mesh_lib.replicated(mesh)
-        abstract = jax.eval_shape(lambda p: state_lib.create_state(p, optimizer, 0), params)
-        abstract = checkpoint.abstract_like(abstract, jax.tree.map(lambda _: repl, abstract))
+        abstract = state_lib.abstract_state(params, optimizer)
+        abstract = checkpoint.abstract_like(abstract, state_lib.state_shardings(abstract, encoder.module, mesh))
         state, _ = ckpts.restore(step, abstract)
     finally:
         ckpts.close()

@@ -1,10 +1,22 @@
-"""Train state, optimizer and learning-rate schedule (SPEC §4)."""
+"""Train state, optimizer, learning-rate schedule (SPEC §4) and the state's shardings.
+
+Mixed precision: parameters (the master weights), gradients and the loss are float32;
+`config.model.dtype` only sets the encoders' compute dtype. `train.moments_dtype="bfloat16"`
+stores AdamW's first moment (mu) in bfloat16 (optax's `mu_dtype`); the second moment (nu) stays
+float32: squared gradients span a range whose small values bfloat16's 8-bit mantissa rounds
+badly, and nu sets the step size of every coordinate.
+"""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from infjax.training import partitioning
+
+MOMENTS_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
 
 class TrainState(struct.PyTreeNode):
@@ -27,7 +39,8 @@ def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int = 0)
 def make_optimizer(train_config, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW on the schedule, after global-norm clipping (when grad_clip > 0)."""
     schedule = learning_rate_schedule(train_config.learning_rate, total_steps, train_config.warmup_steps)
-    adamw = optax.adamw(schedule, weight_decay=train_config.weight_decay)
+    mu_dtype = MOMENTS_DTYPES[train_config.get("moments_dtype", "float32")]
+    adamw = optax.adamw(schedule, weight_decay=train_config.weight_decay, mu_dtype=mu_dtype)
     if train_config.grad_clip > 0:
         return optax.chain(optax.clip_by_global_norm(train_config.grad_clip), adamw), schedule
     return adamw, schedule
@@ -36,3 +49,29 @@ def make_optimizer(train_config, total_steps: int) -> tuple[optax.GradientTransf
 def create_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.key_data(jax.random.key(seed)), skipped=jnp.zeros((), jnp.int32))
+
+
+def abstract_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
+    """The state's shapes and dtypes (nothing allocated); `params` may be ShapeDtypeStructs."""
+    return jax.eval_shape(lambda p: create_state(p, optimizer, seed), params)
+
+
+def state_shardings(abstract: TrainState, module, mesh: Mesh) -> TrainState:
+    """Parameters by the family's partition rules, optimizer moments like their parameters,
+    scalars (step, counts, rng) replicated."""
+    repl = NamedSharding(mesh, P())
+    params = partitioning.param_shardings(abstract.params, module, mesh)
+    opt = partitioning.like_params(abstract.opt_state, abstract.params, params, repl)
+    return TrainState(step=repl, params=params, opt_state=opt, rng=repl, skipped=repl)
+
+
+def create_sharded_state(params, optimizer: optax.GradientTransformation, seed: int, module, mesh: Mesh):
+    """(state, state shardings): host parameters placed by their shardings, the rest created
+    sharded by one jitted init with `out_shardings`."""
+    from infjax.training.mesh import put
+
+    abstract = abstract_state(params, optimizer, seed)
+    shardings = state_shardings(abstract, module, mesh)
+    create = jax.jit(lambda p: create_state(p, optimizer, seed), in_shardings=(shardings.params,),
+                     out_shardings=shardings, donate_argnums=0)
+    return create(put(params, shardings.params)), shardings

@@ -1,0 +1,85 @@
+"""Step-time stall while a checkpoint is written: `python -m infjax.bench checkpoint`.
+
+Trains the embedded MiniLM on the synthetic corpus on the current devices,
+saving every `--every` steps (asynchronously unless `--sync`), and times each
+step to completion. Prints the median step time of steps without a save, of
+the steps that start a save (the blocking part of `save` included), and of
+the steps that run while the save is still being written.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="python -m infjax.bench checkpoint", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40, help="timed steps (after 3 warm-up steps)")
+    ap.add_argument("--every", type=int, default=8, help="steps between saves")
+    ap.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
+    ap.add_argument("--batch_size", type=int, default=8, help="records per global batch")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    from infjax import config as config_lib, losses
+    from infjax.data import batches, synthetic
+    from infjax.data.tokenize import TextFormat, Tokenizer
+    from infjax.models.encoder import load_encoder
+    from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, step as step_lib
+
+    c = config_lib.base_config("multi_pi")
+    c.train.batch_size = args.batch_size
+    config_lib.validate(c, jax.device_count())
+    encoder, params, path = load_encoder(c.model)
+    records = synthetic.make_train_records(c.data.synthetic.num_train, c.data.synthetic.seed)
+    plan = batches.BatchPlan(len(records), c.train.batch_size, c.train.seed)
+    sampler = batches.InstructionNegativeSampler(records, c.loss.instruction_negatives, c.train.seed)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), c.data.query_max_len,
+                                 c.data.passage_max_len, True, sampler)
+    mesh = mesh_lib.make_mesh(c.mesh)
+    total = args.steps + 3
+    optimizer, schedule = state_lib.make_optimizer(c.train, total)
+    repl = mesh_lib.replicated(mesh)
+    state = jax.device_put(state_lib.create_state(params, optimizer, c.train.seed), repl)
+    sharding = jax.tree.map(lambda _: repl, state)
+    step_fn = step_lib.jit_train_step(step_lib.make_train_step(encoder, losses.Objective.from_name("multi_pi"),
+                                                               optimizer, schedule), mesh, sharding)
+    batches_ready = [mesh_lib.global_batch(build(s), mesh) for s in range(total)]
+    config_json = {"benchmark": "checkpoint"}
+
+    with tempfile.TemporaryDirectory() as workdir:
+        ckpts = checkpoint.Checkpoints(workdir, max_to_keep=2, async_save=not args.sync)
+        for s in range(3):                                   # warm-up (compile)
+            state, m = step_fn(state, batches_ready[s])
+        jax.block_until_ready(state)
+        plain, starting, in_flight = [], [], []
+        for s in range(3, total):
+            t0 = time.perf_counter()
+            state, m = step_fn(state, batches_ready[s])
+            jax.block_until_ready(state)
+            saving_before = ckpts.manager.is_saving_in_progress()
+            starts = (s + 1) % args.every == 0
+            if starts:
+                ckpts.save(s + 1, state, plan.position(s + 1), config_json)
+            dt = time.perf_counter() - t0
+            (starting if starts else in_flight if saving_before else plain).append(dt)
+        ckpts.close()
+        size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+    def med(xs):
+        return f"{1e3 * statistics.median(xs):8.1f} ms (n={len(xs)})" if xs else "     n/a"
+
+    print(f"MiniLM multi_pi, {build.global_rows} rows/step, state {size / 2**20:.0f} MiB, "
+          f"{'synchronous' if args.sync else 'asynchronous'} saves every {args.every} steps, "
+          f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+    print(f"median step, no save in flight:      {med(plain)}")
+    print(f"median step that starts a save:      {med(starting)}")
+    print(f"median step while a save is written: {med(in_flight)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

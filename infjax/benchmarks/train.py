@@ -1,0 +1,184 @@
+"""Train-step throughput and memory: `python -m infjax.bench train --config=configs/multi_pi.py [flags]`.
+
+    python -m infjax.bench train --config=configs/multi_pi.py --steps=10
+    python -m infjax.bench train --config=configs/multi_pi.py:llama-3.2-1b --config.mesh.fsdp=8 --steps=20
+    python -m infjax.bench train --config=configs/multi_pi.py --sweep_rows=96,384,1536,3072 --sweep_chunk=96
+
+Throughput mode builds the run's sharded state and compiled step exactly as `infjax.train`
+does, tokenizes the batches up front (outside the timing), runs --warmup steps, then times
+--steps steps and prints examples (rows)/s, tokens/s (padded and real) and model-FLOPs
+utilization: FLOPs per step from the compiled step's `cost_analysis()` (XLA's count for the
+partitioned program, i.e. per device), divided by the step time and the device's peak bf16
+FLOP/s (table below; --peak_flops overrides; n/a on CPU).
+
+Sweep mode compiles (without running) the step for each global batch size in rows, with
+gradient caching off and with train.chunk_size=--sweep_chunk, and prints the per-device peak
+memory from `compiled.memory_analysis()` (arguments + temporaries).
+"""
+from __future__ import annotations
+
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+# device_kind substring -> peak dense bf16 FLOP/s per device
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
+              "TPU v5e": 197e12}
+
+
+def peak_flops(device, override: float = 0.0) -> float | None:
+    if override > 0:
+        return override
+    for kind, flops in PEAK_FLOPS.items():
+        if kind.lower() in device.device_kind.lower():
+            return flops
+    return None
+
+
+def _flags(argv):
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi_pi.py[:preset].",
+                                    flag_values=fv, lock_config=False)
+    flags.DEFINE_integer("steps", 10, "timed steps", flag_values=fv)
+    flags.DEFINE_integer("warmup", 2, "untimed steps after compilation", flag_values=fv)
+    flags.DEFINE_float("peak_flops", 0.0, "peak FLOP/s per device (default: from the device table)",
+                       flag_values=fv)
+    flags.DEFINE_string("sweep_rows", "", "comma-separated global batch sizes in rows: print compiled peak "
+                        "memory per device with and without gradient caching instead of timing", flag_values=fv)
+    flags.DEFINE_integer("sweep_chunk", 96, "train.chunk_size for the gradient-caching column of the sweep",
+                         flag_values=fv)
+    fv(["bench train"] + list(argv))
+    if fv.config is None:
+        raise SystemExit("--config is required, e.g. --config=configs/multi_pi.py")
+    return fv
+
+
+class Setup:
+    """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
+
+    def __init__(self, config):
+        from infjax import config as config_lib, train
+        from infjax.models.encoder import load_encoder
+        from infjax.training import mesh as mesh_lib, state as state_lib
+
+        config_lib.validate(config, jax.device_count(), jax.process_count())
+        self.config = config
+        self.encoder, params, path = load_encoder(config.model)
+        self.records = train.load_training_records(config.data, config.train.seed)
+        self.objective = train.make_objective(config)
+        _, _, self.plan, self.build = train.make_batch_builder(config, self.records, self.encoder, path,
+                                                               self.objective)
+        self.mesh = mesh_lib.make_mesh(config.mesh)
+        self.optimizer, self.schedule = state_lib.make_optimizer(config.train, max(config.train.steps, 1000))
+        self.abstract = state_lib.abstract_state(params, self.optimizer, config.train.seed)
+        self.shardings = state_lib.state_shardings(self.abstract, self.encoder.module, self.mesh)
+        self.params = params
+        self.step = train.compiled_train_step(config, self.encoder, self.objective, self.optimizer, self.schedule,
+                                              self.mesh, self.shardings)
+
+    def batch(self, i: int):
+        from infjax.training import mesh as mesh_lib
+
+        return mesh_lib.global_batch(self.build(i), self.mesh)
+
+    def abstract_inputs(self, batch):
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract,
+                             self.shardings)
+        return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
+
+    def compile(self, batch):
+        return self.step.lower(*self.abstract_inputs(batch)).compile()
+
+
+def flops_of(compiled) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def peak_bytes(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def throughput(config, steps: int, warmup: int, peak_override: float = 0.0) -> dict:
+    from infjax.training import state as state_lib
+
+    setup = Setup(config)
+    state, _ = state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,
+                                              setup.encoder.module, setup.mesh)
+    batches = [setup.batch(i) for i in range(warmup + steps)]
+    t0 = time.perf_counter()
+    compiled = setup.compile(batches[0])
+    compile_s = time.perf_counter() - t0
+    flops = flops_of(compiled)
+    for b in batches[:warmup]:
+        state, metrics = compiled(state, b)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        state, metrics = compiled(state, b)
+    jax.block_until_ready((state, metrics))
+    seconds = (time.perf_counter() - t0) / steps
+    rows = setup.build.global_rows
+    padded = sum(int(np.prod(v.shape)) for k, v in batches[0].items() if k.endswith("_ids"))
+    real = int(np.mean([sum(int(np.asarray(jax.device_get(v)).sum()) for k, v in b.items() if k.endswith("_mask"))
+                        for b in batches[warmup:]]))
+    peak = peak_flops(jax.devices()[0], peak_override)
+    return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "mesh": dict(setup.mesh.shape),
+            "rows_per_step": rows, "compile_s": compile_s, "step_s": seconds, "examples_per_s": rows / seconds,
+            "tokens_per_s_padded": padded / seconds, "tokens_per_s_real": real / seconds,
+            "flops_per_step_per_device": flops,
+            "mfu": (flops / seconds / peak) if peak and flops else None,
+            "peak_memory_per_device_bytes": peak_bytes(compiled)}
+
+
+def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
+    from infjax import config as config_lib
+
+    out = []
+    for rows in rows_list:
+        per_record = 3 if config.data.hard_negatives else 1
+        entry = {"rows": rows}
+        for label, chunk_size in (("plain", 0), ("gradcache", chunk)):
+            c = config_lib.override(ml_collections.ConfigDict(config.to_dict()),
+                                    {"train.batch_size": rows // per_record, "train.chunk_size": chunk_size})
+            c.data.synthetic.num_train = max(c.data.synthetic.num_train, c.train.batch_size)
+            try:
+                setup = Setup(c)
+                compiled = setup.compile(setup.batch(0))
+                entry[label] = peak_bytes(compiled)
+            except config_lib.ConfigError as e:
+                entry[label] = f"invalid: {e}"
+        out.append(entry)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    fv = _flags(argv)
+    config = fv.config
+    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.devices()[0].platform}); "
+          f"model {config.model.checkpoint}, objective {config.objective}, dtype {config.model.dtype}")
+    if fv.sweep_rows:
+        rows = [int(r) for r in fv.sweep_rows.split(",") if r.strip()]
+        print(f"compiled peak memory per device (arguments + temporaries + outputs - aliased), MiB; "
+              f"gradient caching with train.chunk_size={fv.sweep_chunk}")
+        print(f"{'rows':>6}  {'plain':>12}  {'gradcache':>12}")
+        for e in sweep(config, rows, fv.sweep_chunk):
+            fmt = lambda v: f"{v / 2**20:12.1f}" if isinstance(v, int) else f"{v}"   # noqa: E731
+            print(f"{e['rows']:>6}  {fmt(e['plain'])}  {fmt(e['gradcache'])}")
+        return
+    r = throughput(config, fv.steps, fv.warmup, fv.peak_flops)
+    print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}; "
+          f"compile {r['compile_s']:.1f} s")
+    print(f"step {r['step_s'] * 1e3:.1f} ms  {r['examples_per_s']:.1f} examples/s  "
+          f"{r['tokens_per_s_padded']:.0f} tokens/s padded ({r['tokens_per_s_real']:.0f} real)")
+    mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+    print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis); MFU {mfu}; "
+          f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device")

@@ -1,0 +1,49 @@
+"""Multi-host start-up: one call to `jax.distributed.initialize`, before any device is used.
+
+- TPU pods and SLURM jobs: JAX detects the cluster itself (coordinator, process count and id).
+- Elsewhere: INFJAX_COORDINATOR=host:port, INFJAX_NUM_PROCESSES, INFJAX_PROCESS_ID
+  (e.g. launch/local.sh runs N CPU processes over 127.0.0.1).
+- Otherwise: a single process; nothing to do.
+
+The initialization timeout is long (default 30 min, INFJAX_INIT_TIMEOUT seconds) because the
+hosts of a large job start minutes apart. CPU processes exchange collectives through gloo.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+log = logging.getLogger("infjax.distributed")
+
+DEFAULT_TIMEOUT_S = 1800
+
+
+def _cluster_detected(env) -> bool:
+    slurm = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1) > 1 and "SLURM_JOB_ID" in env
+    tpu_pod = len([h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]) > 1
+    return slurm or tpu_pod
+
+
+def initialize(env=None) -> dict:
+    """Start the multi-process runtime if this is one; returns and logs the process and device counts."""
+    env = os.environ if env is None else env
+    timeout = int(env.get("INFJAX_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    if "INFJAX_COORDINATOR" in env:
+        kwargs = dict(coordinator_address=env["INFJAX_COORDINATOR"],
+                      num_processes=int(env["INFJAX_NUM_PROCESSES"]), process_id=int(env["INFJAX_PROCESS_ID"]))
+    elif _cluster_detected(env):
+        kwargs = {}
+    else:
+        kwargs = None
+    if kwargs is not None and not jax.distributed.is_initialized():
+        if jax.config.jax_platforms in (None, "", "cpu") or env.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(initialization_timeout=timeout, **kwargs)
+    info = dict(process_index=jax.process_index(), process_count=jax.process_count(),
+                local_devices=jax.local_device_count(), global_devices=jax.device_count(),
+                platform=jax.devices()[0].platform)
+    log.info("process %(process_index)d of %(process_count)d: %(local_devices)d local devices, "
+             "%(global_devices)d global devices (%(platform)s)", info)
+    return info

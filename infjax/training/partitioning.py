@@ -1,0 +1,129 @@
+"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (SPEC §6).
+
+A parameter's path is its keys joined by "/" (e.g. "shared/layer_3/attention/query/kernel").
+The FIRST rule whose regex `re.search`es the path gives its PartitionSpec; a path no rule
+matches raises, naming the parameter (never a silent replication). Specs name the trailing
+dimensions: a scanned stack of layers (leading layer dimension) gets an unsharded leading
+dimension. A dimension whose size the mesh axes do not divide is left unsharded on that axis
+(e.g. BERT's 30522-word vocabulary on fsdp=4), so every rule works on every mesh.
+
+Kernels are [in, out]: input projections shard (in over fsdp, out over tensor), output
+projections the reverse; embeddings shard the hidden dimension over fsdp (and the vocabulary
+over tensor); norms and biases are replicated (q/k/v biases follow their kernel's tensor axis).
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+IN_OUT = P("fsdp", "tensor")       # x @ W: W [in, out], the output features split over tensor
+OUT_IN = P("tensor", "fsdp")       # the projection back to the residual stream
+EMBED = P("tensor", "fsdp")        # [vocab, hidden]
+REPLICATED = P()
+
+# Shared by every family: the Interaction II head (three d x d matrices) is small and replicated.
+HEAD_RULES = ((r"^interaction/", REPLICATED),)
+
+RULES = {
+    "bert": (
+        (r"embeddings/(word|position|token_type)_embeddings/embedding$", EMBED),
+        (r"attention/(query|key|value)/kernel$", IN_OUT),
+        (r"attention/(query|key|value)/bias$", P("tensor")),
+        (r"attention/output/kernel$", OUT_IN),
+        (r"intermediate/kernel$", IN_OUT),
+        (r"intermediate/bias$", P("tensor")),
+        (r"output/kernel$", OUT_IN),
+        (r"(LayerNorm|_norm|norm)/(scale|bias)$", REPLICATED),
+        (r"/bias$", REPLICATED),
+    ),
+    "modernbert": (
+        (r"tok_embeddings/embedding$", EMBED),
+        (r"attn/Wqkv/kernel$", IN_OUT),
+        (r"attn/Wo/kernel$", OUT_IN),
+        (r"mlp/Wi/kernel$", IN_OUT),
+        (r"mlp/Wo/kernel$", OUT_IN),
+        (r"norm/(scale|bias)$", REPLICATED),
+    ),
+    "decoder": (
+        (r"embed_tokens/embedding$", EMBED),
+        (r"self_attn/(q|k|v)_proj/kernel$", IN_OUT),
+        (r"self_attn/(q|k|v)_proj/bias$", P("tensor")),
+        (r"self_attn/o_proj/kernel$", OUT_IN),
+        (r"mlp/(gate|up)_proj/kernel$", IN_OUT),
+        (r"mlp/down_proj/kernel$", OUT_IN),
+        (r"norm/scale$", REPLICATED),
+    ),
+}
+
+
+class NoRuleError(ValueError):
+    """A parameter that no partition rule matches; the message names it."""
+
+
+def family_of(module) -> str:
+    """The rule set for a backbone module: bert | modernbert | decoder (Llama, Qwen2)."""
+    name = type(module).__name__
+    families = {"BertModel": "bert", "ModernBertModel": "modernbert", "DecoderModel": "decoder"}
+    if name in families:
+        return families[name]
+    raise NoRuleError(f"no partition rules for backbone module {name}; known: {sorted(families)}")
+
+
+def path_str(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def spec_for(path: str, shape: tuple[int, ...], rules, mesh: Mesh | None = None) -> P:
+    """The first matching rule's spec, fitted to `shape` (leading stacked dims unsharded, and
+    axes that do not divide a dimension dropped when `mesh` is given)."""
+    for pattern, spec in rules:
+        if re.search(pattern, path):
+            break
+    else:
+        raise NoRuleError(f"no partition rule matches parameter {path!r} (shape {tuple(shape)}); "
+                          f"add one to infjax/training/partitioning.py")
+    spec = tuple(spec)[:len(shape)]
+    spec = (None,) * (len(shape) - len(spec)) + spec
+    if mesh is not None:
+        fitted = []
+        for dim, axes in zip(shape, spec):
+            names = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+            names = tuple(a for a in names if mesh.shape[a] > 1)
+            size = int(np.prod([mesh.shape[a] for a in names])) if names else 1
+            fitted.append(None if not names or dim % size else (names[0] if len(names) == 1 else names))
+        spec = tuple(fitted)
+    return P(*spec)
+
+
+def param_specs(params, module, mesh: Mesh | None = None):
+    """A PartitionSpec per parameter leaf (same tree structure as `params`)."""
+    rules = HEAD_RULES + RULES[family_of(module)]
+    return jax.tree_util.tree_map_with_path(lambda path, x: spec_for(path_str(path), np.shape(x), rules, mesh),
+                                            params)
+
+
+def param_shardings(params, module, mesh: Mesh):
+    """NamedShardings of the parameters on `mesh` (params may be arrays or ShapeDtypeStructs)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(params, module, mesh),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def like_params(tree, params, shardings, default):
+    """Shardings for a tree whose leaves mirror parameters (optimizer moments): a leaf whose key path
+    ends with a parameter's path and has its shape gets that parameter's sharding, others `default`."""
+    by_path = {}
+    for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(
+            shardings, is_leaf=lambda y: isinstance(y, NamedSharding))):
+        by_path[path_str(path)] = (tuple(np.shape(x)), s)
+
+    def pick(path, x):
+        keys = path_str(path).split("/")
+        for i in range(len(keys)):
+            hit = by_path.get("/".join(keys[i:]))
+            if hit is not None and hit[0] == tuple(np.shape(x)):
+                return hit[1]
+        return default
+    return jax.tree_util.tree_map_with_path(pick, tree)

