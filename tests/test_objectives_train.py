@@ -28,7 +28,12 @@ def config_from_file(name):
     return c
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+# Three representative objectives run by default; the other eight are marked slow (CI runs them).
+DEFAULT = ("uni_p", "multi_pi", "multi_piiq")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in sorted(OBJECTIVES)])
 def test_config_file_trains(name, tmp_path):
     result = train.run(config_from_file(name), str(tmp_path))
     assert result["final_step"] == 2

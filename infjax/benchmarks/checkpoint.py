@@ -25,29 +25,22 @@ def main(argv: list[str]) -> None:
 
     import jax
 
-    from infjax import config as config_lib, losses
-    from infjax.data import batches, synthetic
-    from infjax.data.tokenize import TextFormat, Tokenizer
+    from infjax import config as config_lib, train
     from infjax.models.encoder import load_encoder
-    from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, step as step_lib
+    from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib
 
     c = config_lib.base_config("multi_pi")
     c.train.batch_size = args.batch_size
     config_lib.validate(c, jax.device_count())
     encoder, params, path = load_encoder(c.model)
-    records = synthetic.make_train_records(c.data.synthetic.num_train, c.data.synthetic.seed)
-    plan = batches.BatchPlan(len(records), c.train.batch_size, c.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, c.loss.instruction_negatives, c.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), c.data.query_max_len,
-                                 c.data.passage_max_len, True, sampler)
+    objective = train.make_objective(c)
+    _, _, plan, build = train.make_batch_builder(c, train.load_training_records(c.data, c.train.seed),
+                                                 encoder, path, objective)
     mesh = mesh_lib.make_mesh(c.mesh)
     total = args.steps + 3
     optimizer, schedule = state_lib.make_optimizer(c.train, total)
-    repl = mesh_lib.replicated(mesh)
-    state = jax.device_put(state_lib.create_state(params, optimizer, c.train.seed), repl)
-    sharding = jax.tree.map(lambda _: repl, state)
-    step_fn = step_lib.jit_train_step(step_lib.make_train_step(encoder, losses.Objective.from_name("multi_pi"),
-                                                               optimizer, schedule), mesh, sharding)
+    state, sharding = state_lib.create_sharded_state(params, optimizer, c.train.seed, encoder.module, mesh)
+    step_fn = train.compiled_train_step(c, encoder, objective, optimizer, schedule, mesh, sharding)
     batches_ready = [mesh_lib.global_batch(build(s), mesh) for s in range(total)]
     config_json = {"benchmark": "checkpoint"}
 
