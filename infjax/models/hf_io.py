@@ -329,18 +329,7 @@ def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> 
     Returns contiguous host float32 numpy arrays (ready for safetensors),
     named with ``prefix`` prepended (``""`` for ``BertModel``).
     """
-    out: dict[str, np.ndarray] = {}
-    missing = []
-    for hf_name, path, transpose in bert_name_map(config):
-        try:
-            value = np.asarray(_get_path(params, path), dtype=np.float32)
-        except KeyError:
-            missing.append("/".join(path))
-            continue
-        out[prefix + hf_name] = np.ascontiguousarray(value.T if transpose else value)
-    if missing:
-        raise ValueError(f"parameter tree is missing: {missing}")
-    return out
+    return params_to_hf(params, bert_name_map(config), prefix)
 
 
 def load_bert(name_or_path: str, dtype: Any = jnp.float32) -> tuple[BertModel, dict, dict, str]:
