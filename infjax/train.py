@@ -29,6 +29,7 @@ from infjax.followir import followir_metrics, rerank, rerank_pairs
 from infjax.inference import TextEmbedder
 from infjax.interaction_inference import CrossAttentionQueryEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
+from infjax.training.restore import saved_steps
 from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, step as step_lib
 
 log = logging.getLogger("infjax.train")
@@ -66,7 +67,7 @@ def eval_split(config):
 def check_resume_request(workdir: str, resume: bool) -> None:
     """Without resume the workdir must not hold an earlier run's checkpoints; with it, it must."""
     ckpt = os.path.join(workdir, "checkpoints")
-    has_ckpt = os.path.isdir(ckpt) and any(name.isdigit() for name in os.listdir(ckpt))
+    has_ckpt = bool(saved_steps(workdir))
     if has_ckpt and not resume:
         raise FileExistsError(f"--workdir={workdir} already holds checkpoints; pass --config.resume=True to "
                               f"continue that run, or choose a new --workdir")
