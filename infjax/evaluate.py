@@ -26,6 +26,12 @@ scores, timings), per_query.json and TREC run files (run.trec, or run.og.trec
 and run.changed.trec for FollowIR; run.<split>.trec per MAIR split). A user
 error (missing file, field, judgment reference, bad flag) exits with status 2
 and a message naming it.
+
+Several processes (`launch/local.sh N infjax.evaluate ...`, a SLURM job or a
+TPU pod) evaluate as one: every process reads the data and the model, each
+feeds its own devices' share of every encoder batch and search block, the
+results are gathered on every process, and only process 0 prints and writes
+--out and the embedding cache.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import re
 import sys
 import time
 
+import jax
 import numpy as np
 
 from infjax import eval_data
@@ -46,6 +53,7 @@ from infjax.eval_data import DataError, FollowIRTask, RetrievalTask
 from infjax.followir import PairEmbedFn, rerank_pairs
 from infjax.inference import EmbedFn, EmbeddingCache
 from infjax.metrics import p_mrr_per_query, trec_metrics
+from infjax.training import distributed
 
 log = logging.getLogger("infjax.evaluate")
 
@@ -309,6 +317,8 @@ def run_evaluation(args: argparse.Namespace) -> dict:
             "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"]} for r in results],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
                         "evaluate": t_eval - t_data2}}
+    if jax.process_index() != 0:         # several processes computed the same results; one reports them
+        return {"summary": summary, "meta": meta, "results": results}
     step = f" step {model.step}" if model.step is not None else ""
     print(f"{args.dataset}  ({model.kind} {args.model}{step})")
     for r in results if len(results) > 1 else []:
@@ -330,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("jax", "absl", "httpx", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
+    distributed.initialize()       # multi-host (launch/local.sh N infjax.evaluate ...); a no-op for one process
+    if jax.process_index() != 0:
+        logging.getLogger("infjax").setLevel(logging.WARNING)
     try:
         run_evaluation(args)
     except (DataError, ModelSourceError, CheckpointNotFound, FileNotFoundError, PermissionError) as e:

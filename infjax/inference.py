@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from infjax.data.tokenize import Tokenizer
 from infjax.models.encoder import Encoder
-from infjax.training.mesh import batch_sharding, replicated
+from infjax.training.mesh import batch_sharding, put, replicated
 
 log = logging.getLogger("infjax.inference")
 
@@ -36,9 +36,13 @@ def length_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=8)
 def _jitted_encoder(encoder: Encoder, mesh: Mesh):
-    """One jitted encoder per (encoder, mesh): equal encoders loaded twice share their compiled shapes."""
-    return jax.jit(encoder, in_shardings=(replicated(mesh), batch_sharding(mesh), batch_sharding(mesh)),
-                   out_shardings=replicated(mesh))
+    """One jitted encoder per (encoder, mesh): equal encoders loaded twice share their compiled shapes.
+
+    No in_shardings: every input arrives as a global array with its own sharding (the batch split over
+    the batch axes by `put`; the params as the caller holds them, e.g. FSDP-sharded in the trainer,
+    where XLA gathers each weight where it is used), so nothing is resharded or refused across hosts.
+    """
+    return jax.jit(encoder, out_shardings=replicated(mesh))
 
 
 class TextEmbedder:
@@ -48,6 +52,7 @@ class TextEmbedder:
         n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
         self.batch_size = -(-batch_size // n_shards) * n_shards    # a multiple of the batch shards
         self.tokenizer, self.mesh, self.bucketed = tokenizer, mesh, bucketed
+        self._rows = batch_sharding(mesh)
         self.left_padded = getattr(encoder, "padding_side", "right") == "left"
         try:
             self._fn = _jitted_encoder(encoder, mesh)
@@ -93,7 +98,8 @@ class TextEmbedder:
             chunk = [texts[i] for i in rows]
             chunk += [""] * (self.batch_size - len(chunk))        # static shape: pad the last batch
             ids, mask = self._trim(*self.tokenizer(chunk, max_len), max_len)
-            result = self._fn(params, ids, mask)                   # dispatched asynchronously
+            # Every process tokenizes the whole batch and feeds its own devices' rows (multi-host).
+            result = self._fn(params, *put((ids, mask), self._rows))   # dispatched asynchronously
             if pending is not None:
                 collect(pending)                                   # host work overlaps the device
             pending = (result, rows)
@@ -116,6 +122,15 @@ def texts_digest(texts: list[str]) -> str:
     return h.hexdigest()
 
 
+def all_processes(flag: bool) -> bool:
+    """True when `flag` holds on every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
 class EmbeddingCache:
     """On-disk embeddings keyed by (model, step, dataset, side, texts hash): DIR/<key>.npy plus DIR/<key>.json.
 
@@ -123,6 +138,11 @@ class EmbeddingCache:
     so a change of template, prefix or text gives a new key; `model` should
     name everything else that changes the embeddings (weights, pooling,
     max length).
+
+    With several processes the encoder is a collective, so they must agree on
+    hit or miss: an entry counts as a hit only when every process can read
+    it (a cache folder that is not shared gives misses, never a hang); only
+    process 0 writes entries.
     """
 
     def __init__(self, directory: str):
@@ -143,12 +163,13 @@ class EmbeddingCache:
         def cached(texts: list[str]) -> np.ndarray:
             key, meta = self.key(model, step, dataset, side, list(texts))
             path = os.path.join(self.directory, key + ".npy")
-            if os.path.isfile(path):
-                emb = np.load(path)
-                if emb.shape[0] == len(texts):
-                    log.info("embedding cache hit: %s %s (%d texts) %s", dataset, side, len(texts), path)
-                    return emb
+            emb = np.load(path) if os.path.isfile(path) else None
+            if all_processes(emb is not None and emb.shape[0] == len(texts)):
+                log.info("embedding cache hit: %s %s (%d texts) %s", dataset, side, len(texts), path)
+                return emb
             emb = np.asarray(embed(texts), np.float32)
+            if jax.process_index() != 0:
+                return emb
             tmp = path + f".tmp{os.getpid()}"
             with open(tmp, "wb") as f:
                 np.save(f, emb)

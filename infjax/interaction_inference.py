@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.models import interaction
 from infjax.models.encoder import Encoder, query_params
-from infjax.training.mesh import batch_sharding, replicated
+from infjax.training.mesh import batch_sharding, put, replicated
 
 
 class CrossAttentionQueryEmbedder:
@@ -29,8 +29,9 @@ class CrossAttentionQueryEmbedder:
             i_vec = encoder(qp, i_ids, i_mask)
             return interaction.iq_embeddings(params["interaction"], i_vec, encoder.hidden(qp, q_ids, q_mask), q_mask)
 
-        sh = batch_sharding(mesh)
-        self._fn = jax.jit(embed, in_shardings=(replicated(mesh), sh, sh, sh, sh), out_shardings=replicated(mesh))
+        self._rows = batch_sharding(mesh)
+        # Inputs come as global arrays (params as the caller holds them, rows through `put`): no in_shardings.
+        self._fn = jax.jit(embed, out_shardings=replicated(mesh))
 
     def __call__(self, params, instructions: list[str], queries: list[str], max_len: int) -> np.ndarray:
         if len(instructions) != len(queries):
@@ -44,5 +45,6 @@ class CrossAttentionQueryEmbedder:
             i_ids, i_mask = self.tokenizer(ins + pad, max_len)
             q_ids, q_mask = self.tokenizer(qs + pad, max_len)
             q_mask[n:, 0] = 1                      # padding rows: one attended token, no NaN
-            out.append(np.asarray(self._fn(params, i_ids, i_mask, q_ids, q_mask))[:n])
+            inputs = put((i_ids, i_mask, q_ids, q_mask), self._rows)   # each process: its devices' rows
+            out.append(np.asarray(self._fn(params, *inputs))[:n])
         return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -26,6 +26,7 @@ import numpy as np
 from infjax.data.tokenize import TextFormat
 from infjax.followir import PairEmbedFn
 from infjax.inference import EmbedFn
+from infjax.training.mesh import put, replicated
 
 log = logging.getLogger("infjax.model_sources")
 
@@ -131,14 +132,11 @@ def _mesh(mesh):
 
 
 def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool):
-    import jax
-
     from infjax.inference import TextEmbedder
     from infjax.models.encoder import passage_params, query_params
-    from infjax.training.mesh import replicated
 
     embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
-    params = jax.device_put(params, replicated(mesh))
+    params = put(params, replicated(mesh))
     qp, pp = query_params(params), passage_params(params)
     return (lambda t: embedder(qp, t, qlen, "queries" if progress else None),
             lambda t: embedder(pp, t, plen, "passages" if progress else None))
@@ -206,13 +204,10 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
     interaction = run.config.model.get("interaction", "concat")
     embed_pairs = None
     if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
-        import jax
-
         from infjax.interaction_inference import CrossAttentionQueryEmbedder
-        from infjax.training.mesh import replicated
 
         pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
-        params = jax.device_put(run.params, replicated(mesh))
+        params = put(run.params, replicated(mesh))
         embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
     key = f"run:{os.path.abspath(os.path.expanduser(workdir))}|pooling={run.encoder.pooling}" \
           f"|interaction={interaction}|dtype={run.config.model.dtype}|len={qlen}/{plen}"

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from infjax.training.mesh import BATCH_AXES, replicated
+from infjax.training.mesh import BATCH_AXES, from_host, replicated
 
 
 def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:
@@ -99,17 +99,19 @@ def search(queries: np.ndarray, corpus: np.ndarray, k: int, mesh: Mesh | None = 
 
         starts = tqdm(starts, desc="search", unit="block", dynamic_ncols=True, leave=False)
     q_chunks = [np.asarray(queries[s:s + query_block], np.float32) for s in range(0, q_total, query_block)]
-    best = [(jax.device_put(np.full((len(qc), k), -np.inf, np.float32), repl),
-             jax.device_put(np.full((len(qc), k), -1, np.int32), repl)) for qc in q_chunks]
-    q_dev = [jax.device_put(qc, repl) for qc in q_chunks]
+    # from_host: every process holds the same queries and corpus and fills its own devices (multi-host).
+    best = [(from_host(np.full((len(qc), k), -np.inf, np.float32), repl),
+             from_host(np.full((len(qc), k), -1, np.int32), repl)) for qc in q_chunks]
+    q_dev = [from_host(qc, repl) for qc in q_chunks]
     for start in starts:
         rows = np.asarray(corpus[start:start + block], np.float32)
         n_valid = rows.shape[0]
         if n_valid < block:
             rows = np.concatenate([rows, np.zeros((block - n_valid, rows.shape[1]), np.float32)])
-        rows = jax.device_put(rows, blk_sharding)
+        rows = from_host(rows, blk_sharding)
+        n_valid_dev, start_dev = from_host(np.int32(n_valid), repl), from_host(np.int32(start), repl)
         for c, qd in enumerate(q_dev):
-            best[c] = fn(qd, rows, jnp.int32(n_valid), jnp.int32(start), *best[c])
+            best[c] = fn(qd, rows, n_valid_dev, start_dev, *best[c])
     scores = np.concatenate([np.asarray(v) for v, _ in best])
     indices = np.concatenate([np.asarray(i) for _, i in best])
     return scores, indices

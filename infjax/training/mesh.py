@@ -56,13 +56,19 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+def from_host(x, sharding) -> jax.Array:
+    """A global array with `sharding` from a value that every process holds whole (a numpy array,
+    a scalar, or a jax.Array). Each process fills only its own devices' shards, so this is how any
+    host value enters a jitted function on a multi-process mesh (jit refuses numpy inputs with a
+    non-replicated sharding there). Always a new array (callers may donate it)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def put(tree, shardings):
-    """Place a host tree (every process holds the same values) onto `shardings`; each process
-    fills only its own devices' shards, so this works across hosts. Always a new array (callers may
-    donate it)."""
-    def one(x, s):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return jax.device_put(x, s)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, s, lambda index: host[index])
-    return jax.tree.map(one, tree, shardings)
+    """`from_host` over a tree: `shardings` is a matching tree, or one sharding for every leaf."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: from_host(x, shardings), tree)
+    return jax.tree.map(from_host, tree, shardings)
