@@ -16,6 +16,7 @@ from typing import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from infjax.data.tokenize import Tokenizer
@@ -126,8 +127,6 @@ def all_processes(flag: bool) -> bool:
     """True when `flag` holds on every process (a collective: every process must call it)."""
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
-
     return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
 
 

@@ -25,11 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 
 
-def _launch(n: int, *args: str, timeout: int = 900) -> dict[int, str]:
-    """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: log} (asserts exit 0)."""
+def _launch(n: int, *args: str, logdir: str | None = None, timeout: int = 900) -> dict[int, str]:
+    """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: log} (asserts exit 0).
+    The logs are in the --workdir, or in `logdir` (INFJAX_LOG_DIR) for modules without one."""
     env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES=str(8 // n), HF_HUB_OFFLINE="1")
     env.pop("XLA_FLAGS", None)
-    logdir = next(a.split("=", 1)[1] for a in args if a.startswith(("--workdir=", "--out=")))
+    if logdir is not None:
+        env["INFJAX_LOG_DIR"] = logdir
+    logdir = logdir or next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
     proc = subprocess.run(["bash", "launch/local.sh", str(n), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     logs = {i: open(os.path.join(logdir, f"process_{i}.log")).read() for i in range(n)
@@ -90,7 +93,7 @@ def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
     assert evaluate.main([f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out1}", "--no_progress"]) == 0
     for _ in range(2):                          # a cold, then a warm cache: both processes agree on the hits
         logs = _launch(2, "infjax.evaluate", f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out2}",
-                       f"--cache_dir={cache}", "--no_progress")
+                       f"--cache_dir={cache}", "--no_progress", logdir=str(tmp_path / "eval_logs"))
     assert logs[0].count("embedding cache hit") == 2
     assert "wrote" in logs[0] and "wrote" not in logs[1]      # process 0 reports and writes, process 1 is quiet
     s1, s2 = (json.load(open(o / "summary.json")) for o in (out1, out2))
