@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import ml_collections
 
+from infjax.data.tokenize import validate_template
+from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
-
-EMBEDDED = "embedded:all-MiniLM-L6-v2"
+from infjax.models.encoder import EMBEDDED, POOLINGS
+from infjax.models.registry import FAMILIES
 
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
@@ -66,14 +68,14 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = EMBEDDED      # local folder, hub id, or "embedded:all-MiniLM-L6-v2"
     c.model.family = "auto"            # auto (from config.json's model_type) | bert | modernbert | llama | qwen2
-    c.model.pooling = "mean"           # mean | cls | last
+    c.model.pooling = "auto"           # auto (the family's own: mean for encoders, last for decoders) | mean | cls | last
     c.model.shared_encoder = True      # one theta for passages and instruction-queries
     c.model.dtype = "float32"          # compute dtype: float32 | bfloat16 (params stay float32)
     c.model.dropout = False            # apply the checkpoint's dropout during training
     c.model.interaction = "concat"     # concat: iq = g(template(I, Q)) (Interaction I) | cross_attention:
                                        # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
     c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
-    c.model.scan_layers = False        # run layers with nn.scan (one compiled layer; not for bert)
+    c.model.scan_layers = False        # run layers with nn.scan (one compiled layer)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)
@@ -199,18 +201,15 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     if "i" in OBJECTIVES[c.objective][1] and c.model.interaction == "concat":
         _check(c.loss.instruction_negatives >= 1, "loss.instruction_negatives", c.loss.instruction_negatives,
                f"objective {c.objective} uses the I-marginal and needs at least one instruction negative")
-    from infjax.models.encoder import FAMILIES
-
-    _check(c.model.family in ("auto",) + FAMILIES, "model.family", c.model.family,
+    _check(c.model.family in ("auto",) + tuple(FAMILIES), "model.family", c.model.family,
            f"must be auto or one of {list(FAMILIES)}")
     _check(c.model.interaction in ("concat", "cross_attention"), "model.interaction", c.model.interaction,
            "must be concat or cross_attention")
-    _check(c.model.pooling in ("mean", "cls", "last"), "model.pooling", c.model.pooling, "must be mean, cls or last")
+    _check(c.model.pooling in ("auto",) + POOLINGS, "model.pooling", c.model.pooling,
+           "must be auto (the family's own), mean, cls or last")
     _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "must be float32 or bfloat16")
     for key in ("remat", "scan_layers"):
         _check(isinstance(c.model[key], bool), f"model.{key}", c.model[key], "must be True or False")
-    _check(not (c.model.family == "bert" and c.model.scan_layers), "model.scan_layers", c.model.scan_layers,
-           "is not available for the bert family")
     _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
            "must name a local folder, a hub id, or " + EMBEDDED)
     _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
@@ -220,8 +219,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     for key in ("query_max_len", "passage_max_len"):
         _check(8 <= c.data[key] <= 8192, f"data.{key}", c.data[key], "must be in [8, 8192]")
     try:
-        from infjax.data.tokenize import validate_template
-
         validate_template(c.data.query_template)
     except ValueError as e:
         raise ConfigError(f"config.{e}") from None
@@ -241,8 +238,6 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = only at the end)")
-    from infjax.eval_data import DataError, parse_spec
-
     for spec in eval_specs(c):
         try:
             parse_spec(spec)

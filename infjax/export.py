@@ -29,12 +29,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from infjax.data.tokenize import Tokenizer
 from infjax.models import hf_io
-from infjax.models.bert import BertConfig
-from infjax.models.decoder import ARCHITECTURES as DECODER_ARCHITECTURES, DecoderConfig
-from infjax.models.hf_decoder import decoder_params_to_hf
-from infjax.models.hf_modernbert import modernbert_params_to_hf
-from infjax.models.modernbert import ARCHITECTURE as MODERNBERT_ARCHITECTURE, ModernBertConfig
+from infjax.models.registry import FAMILIES
+from infjax.training.restore import load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = "interaction_head.safetensors"
@@ -74,23 +72,6 @@ _ST_POOLING_KEYS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooli
 class ExportError(Exception):
     """A user error (bad arguments, existing output); the message says what to change."""
 
-
-def _bert_to_hf(params, hf_config, source):
-    return hf_io.bert_params_to_hf(params, BertConfig.from_hf_dict(hf_config, source)), "BertModel"
-
-
-def _modernbert_to_hf(params, hf_config, source):
-    config = ModernBertConfig.from_hf_dict(hf_config, source)
-    return modernbert_params_to_hf(params, config), MODERNBERT_ARCHITECTURE
-
-
-def _decoder_to_hf(params, hf_config, source):
-    config = DecoderConfig.from_hf_dict(hf_config, source)
-    return decoder_params_to_hf(params, config), DECODER_ARCHITECTURES[config.model_type]
-
-
-# family -> (params, hf_config dict, source) -> (HF tensors by name, bare-model architecture)
-EXPORTERS = {"bert": _bert_to_hf, "modernbert": _modernbert_to_hf, "llama": _decoder_to_hf, "qwen2": _decoder_to_hf}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -189,8 +170,6 @@ def write_sentence_transformers_files(folder: str, hidden_size: int, pooling: st
 
 def write_tokenizer(folder: str, base_path: str, padding_side: str) -> None:
     """The base checkpoint's tokenizer with infjax's padding side (and pad token) saved into ``folder``."""
-    from infjax.data.tokenize import Tokenizer
-
     Tokenizer(base_path, padding_side=padding_side).save(folder)
     path = os.path.join(folder, "tokenizer_config.json")
     with open(path, encoding="utf-8") as f:
@@ -203,9 +182,10 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
                        pooling: str, padding_side: str, max_seq_length: int, query_prefix: str = "",
                        passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)) -> None:
     """One loadable folder (HF config + weights + tokenizer + sentence-transformers files) in ``folder``."""
-    if family not in EXPORTERS:
-        raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(EXPORTERS)}")
-    tensors, architecture = EXPORTERS[family](params, hf_config, os.path.join(base_path, "config.json"))
+    if family not in FAMILIES:
+        raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(FAMILIES)}")
+    tensors = FAMILIES[family].to_hf(params, hf_config, os.path.join(base_path, "config.json"))
+    architecture = FAMILIES[family].architecture
     os.makedirs(folder, exist_ok=True)
     _write_json(os.path.join(folder, "config.json"), export_config(hf_config, architecture))
     save_safetensors(folder, tensors, max_shard_size)
@@ -348,18 +328,14 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> str:
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
-    from infjax.models.encoder import detect_family
-    from infjax.training.restore import load_run
-
     out_abs = os.path.abspath(os.path.expanduser(out))
     parse_size(max_shard_size)
     _check_out(out_abs, overwrite)          # fail before the (slow) restore
     run = load_run(workdir, step)
     config = run.config
-    family = detect_family(run.base_path, config.model.get("family", "auto"))
     return export_model(
-        out_abs, family=family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),
-        base_path=run.base_path, pooling=config.model.pooling, padding_side=run.encoder.padding_side,
+        out_abs, family=run.encoder.family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),
+        base_path=run.base_path, pooling=run.encoder.pooling, padding_side=run.encoder.padding_side,
         query_template=config.data.query_template, query_prefix=config.data.query_prefix,
         passage_prefix=config.data.passage_prefix, query_max_len=config.data.query_max_len,
         passage_max_len=config.data.passage_max_len, overwrite=overwrite, max_shard_size=max_shard_size,

@@ -311,3 +311,16 @@ def test_load_encoder_picks_family_padding_side_and_options(family, checkpoint):
     config.family = "bert"
     with pytest.raises(ValueError, match="model.family='bert'"):
         load_encoder(config)
+
+
+def test_family_default_pooling_for_runs_and_evaluation(family, checkpoint):
+    """model.pooling=auto (the default; also what `infjax.evaluate` passes for an HF folder without
+    --pooling or a sentence-transformers pooling file) is the family's own: last token for decoders, mean
+    for ModernBERT (and BERT)."""
+    from ml_collections import ConfigDict
+
+    folder, _ = checkpoint
+    expected = "last" if family in DECODERS else "mean"
+    config = ConfigDict({"checkpoint": folder, "family": "auto", "pooling": "auto", "shared_encoder": True,
+                         "dtype": "float32"})
+    assert load_encoder(config)[0].pooling == expected

@@ -7,9 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from infjax import config as config_lib, export
 from infjax.models import hf_io
+from infjax.models import layers as L
 from infjax.models.bert import BertConfig, BertModel
+from infjax.models.encoder import load_encoder
 from infjax.models.pooling import l2_normalize, pool
+from infjax.training import partitioning
 
 TEXTS = [
     "Find documents about cats.",
@@ -111,6 +115,83 @@ def test_minilm_matches_transformers_and_sentence_transformers(minilm_path):
     assert np.all(cosine >= 0.9999)
 
 
+def _minilm_batch(path):
+    """The TEXTS tokenized by the checkpoint's tokenizer, right-padded (numpy)."""
+    transformers = pytest.importorskip("transformers")
+    return dict(transformers.AutoTokenizer.from_pretrained(path)(TEXTS, padding=True, return_tensors="np"))
+
+
+def _hidden(module, params, batch):
+    """Last hidden states of ``module`` on a tokenized batch (eval mode, jitted as training and inference run it;
+    op-by-op eager execution rounds differently at the ~1e-5 level on padded positions)."""
+    fn = jax.jit(lambda p: module.apply({"params": p}, batch["input_ids"], batch["attention_mask"],
+                                        batch["token_type_ids"]))
+    return np.asarray(fn(params))
+
+
+def test_minilm_scan_layers_matches_unrolled(minilm_path):
+    """Real weights: the scanned stack (loaded stacked under ``layers``) gives the unrolled hidden states."""
+    batch = _minilm_batch(minilm_path)
+    module, params, _, _ = hf_io.load_bert(minilm_path)
+    scanned, stacked, _, _ = hf_io.load_bert(minilm_path, scan_layers=True)
+    assert scanned.scan_layers and not module.scan_layers
+    assert set(stacked) == {"embeddings", L.SCANNED}
+    assert stacked[L.SCANNED]["attention"]["query"]["kernel"].shape == (6, 384, 384)
+    jax.tree.map(np.testing.assert_array_equal, L.unstack_layers(stacked, 0), params)
+    diff = float(np.abs(_hidden(scanned, stacked, batch) - _hidden(module, params, batch)).max())
+    print(f"MiniLM scan vs unrolled max abs diff: {diff:.3e}")
+    assert diff <= 1e-5
+
+
+def test_minilm_scan_via_config_encoder_and_partition_rules(minilm_path):
+    """``model.scan_layers=True`` passes validation for BERT, loads stacked, and every stacked
+    parameter gets its per-layer spec with an unsharded leading layer axis."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    from ml_collections import ConfigDict
+
+    config = config_lib.override(config_lib.base_config("multi_pi"),
+                                 {"model.family": "bert", "model.scan_layers": True, "model.remat": True})
+    config_lib.validate(config, 8)
+    encoder, params, _ = load_encoder(ConfigDict({"checkpoint": minilm_path, "family": "bert", "pooling": "mean",
+                                                  "shared_encoder": True, "dtype": "float32", "remat": True,
+                                                  "scan_layers": True}))
+    assert encoder.module.scan_layers and encoder.module.remat and L.SCANNED in params["shared"]
+    mesh = Mesh(np.asarray(jax.devices()[:8]).reshape(2, 4, 1), ("data", "fsdp", "tensor"))
+    specs = partitioning.param_specs(params, encoder.module, mesh)["shared"]
+    layer = specs[L.SCANNED]
+    assert layer["attention"]["query"]["kernel"] == P(None, "fsdp", None)
+    assert layer["attention"]["output"]["kernel"] == P(None, None, "fsdp")
+    assert layer["intermediate"]["kernel"] == P(None, "fsdp", None)
+    assert layer["output"]["kernel"] == P(None, None, "fsdp")
+    assert layer["attention"]["query"]["bias"] == P(None, None)
+    assert layer["output_LayerNorm"]["scale"] == P(None, None)
+
+
+def test_scanned_minilm_exports_and_transformers_reproduces_it(minilm_path, tmp_path):
+    """A scanned (stacked) BERT tree exports to HF names; transformers loads it and gives our states."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    module, params, hf_config, _ = hf_io.load_bert(minilm_path, scan_layers=True)
+    rng = np.random.default_rng(0)     # move away from the base weights, as training would
+    params = jax.tree.map(lambda x: x + 0.01 * rng.standard_normal(x.shape).astype(x.dtype), params)
+    config = BertConfig.from_hf_dict(hf_config)
+    tensors = hf_io.bert_params_to_hf(params, config)
+    unrolled = hf_io.bert_params_to_hf(L.unstack_layers(params, 0), config)
+    assert set(tensors) == set(unrolled)
+    assert all(np.array_equal(tensors[k], unrolled[k]) for k in unrolled)
+
+    out = str(tmp_path / "export")
+    export.export_model(out, family="bert", params={"shared": params}, hf_config=hf_config, base_path=minilm_path,
+                        pooling="mean", padding_side="right")
+    batch = _minilm_batch(minilm_path)
+    reference = _torch_last_hidden(transformers.BertModel.from_pretrained(out).eval(), batch)
+    diff = _masked_max_diff(_hidden(module, params, batch), reference, batch["attention_mask"])
+    print(f"scanned export max abs diff vs transformers: {diff:.3e}")
+    assert diff <= 1e-4
+    base = _torch_last_hidden(transformers.BertModel.from_pretrained(minilm_path).eval(), batch)
+    assert _masked_max_diff(base, reference, batch["attention_mask"]) > 1e-3   # the new weights were exported
+
+
 # --------------------------------------------------------------------------
 # Tiny random checkpoint
 # --------------------------------------------------------------------------
@@ -139,8 +220,9 @@ def test_tiny_checkpoint_matches_torch(tiny_checkpoint):
     assert diff_bf16 <= 5e-2
 
 
-@pytest.mark.parametrize("hidden_act", ["gelu_new", "gelu_pytorch_tanh"])
-def test_tanh_gelu_variants_match_torch(tmp_path, hidden_act):
+@pytest.mark.parametrize("hidden_act", ["gelu_new", "gelu_pytorch_tanh", "swish"])
+def test_tanh_gelu_variants_and_swish_match_torch(tmp_path, hidden_act):
+    """The non-default activations of the shared table (tanh GELUs, swish = silu) compute HF's ACT2FN."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(1)
@@ -173,6 +255,66 @@ def test_dropout_and_remat(tiny_checkpoint):
     train_b = module.clone(remat=True).apply({"params": params}, *args, deterministic=False, rngs=rngs)
     assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
     np.testing.assert_allclose(np.asarray(train_a), np.asarray(train_b), atol=1e-6)
+
+
+def test_scan_and_remat_give_the_same_outputs_and_gradients(tiny_checkpoint):
+    """Small random BERT: scanned (with and without remat) equals unrolled in outputs and gradients."""
+    folder, _ = tiny_checkpoint
+    module, params, _, _ = hf_io.load_bert(folder)
+    batch = _padded_random_batch()
+    ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
+
+    def loss(m):
+        return lambda p: jnp.sum(jnp.tanh(m.apply({"params": p}, ids, mask, types)) * mask[..., None])
+
+    reference = np.asarray(module.apply({"params": params}, ids, mask, types))
+    ref_grads = jax.jit(jax.grad(loss(module)))(params)
+    for remat in (False, True):
+        m, p, _, _ = hf_io.load_bert(folder, remat=remat, scan_layers=True)
+        assert (m.remat, m.scan_layers, L.SCANNED in p) == (remat, True, True)
+        out = np.asarray(m.apply({"params": p}, ids, mask, types))
+        diff = float(np.abs(out - reference).max())
+        grads = L.unstack_layers(jax.jit(jax.grad(loss(m)))(p), 0)
+        assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref_grads)
+        gdiff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(a - b).max()), grads, ref_grads)))
+        print(f"tiny scan (remat={remat}) max abs diff: hidden {diff:.3e}, gradients {gdiff:.3e}")
+        assert diff <= 1e-5
+        # fp32 with BERT's one-pass LayerNorm variance: absolute error relative to the largest gradient
+        scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(ref_grads))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), grads, ref_grads)
+
+
+def test_scan_with_remat_and_dropout(tiny_checkpoint):
+    """Dropout runs inside the scan (one mask per layer); remat recomputes the same masks."""
+    folder, _ = tiny_checkpoint
+    module, params, _, _ = hf_io.load_bert(folder, scan_layers=True)
+    batch = _padded_random_batch()
+    args = (batch["input_ids"], batch["attention_mask"])
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+    eval_out = module.apply({"params": params}, *args)
+    train_a = module.apply({"params": params}, *args, deterministic=False, rngs=rngs)
+    train_b = module.clone(remat=True).apply({"params": params}, *args, deterministic=False, rngs=rngs)
+    assert not np.allclose(np.asarray(train_a), np.asarray(eval_out))
+    np.testing.assert_allclose(np.asarray(train_a), np.asarray(train_b), atol=1e-6)
+
+    def loss(m):
+        return lambda p: jnp.sum(jnp.tanh(m.apply({"params": p}, *args, deterministic=False, rngs=rngs)))
+
+    grads_a = jax.jit(jax.grad(loss(module)))(params)
+    grads_b = jax.jit(jax.grad(loss(module.clone(remat=True))))(params)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_b))   # absolute error vs the largest
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), grads_a, grads_b)
+
+
+def test_scanned_init_tree_is_the_stacked_name_map_tree(tiny_checkpoint):
+    """``init`` of a scanned module gives the layout ``stack_layers`` makes from the HF name map."""
+    folder, _ = tiny_checkpoint
+    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    ids = jnp.zeros((1, 3), jnp.int32)
+    init_params = BertModel(config, scan_layers=True).init(jax.random.PRNGKey(0), ids, ids)["params"]
+    stacked = L.stack_layers(hf_io.bert_params_from_hf(hf_io.read_safetensors(folder), config), 0,
+                             config.num_hidden_layers)
+    assert jax.tree.map(np.shape, init_params) == jax.tree.map(np.shape, stacked)
 
 
 def test_init_tree_matches_name_map(tiny_checkpoint):
@@ -289,7 +431,7 @@ def test_config_validation(tmp_path):
     with pytest.raises(ValueError, match="num_attention_heads"):
         BertConfig.from_hf_dict({k: v for k, v in base.items() if k != "num_attention_heads"})
     with pytest.raises(ValueError, match="hidden_act"):
-        BertConfig.from_hf_dict(dict(base, hidden_act="swish"))
+        BertConfig.from_hf_dict(dict(base, hidden_act="mish"))
     with pytest.raises(ValueError, match="position_embedding_type"):
         BertConfig.from_hf_dict(dict(base, position_embedding_type="relative_key"))
     (tmp_path / "config.json").write_text("{not json")

@@ -6,12 +6,14 @@ import shutil
 import numpy as np
 import pytest
 
-from infjax import eval_data, evaluate
+from infjax import evaluate
+from infjax.evaluation import tasks as eval_tasks, trec
+from infjax.evaluation import datasets as eval_data
 from infjax.data import synthetic
 from infjax.data.tokenize import TextFormat
-from infjax.eval_data import DataError
-from infjax.metrics import trec_metrics
-from infjax.search import search
+from infjax.evaluation.datasets import DataError
+from infjax.evaluation.metrics import trec_metrics
+from infjax.inference.search import search
 
 # --------------------------------------------------------------------------
 # Fixtures: small datasets written in the real hub / BEIR layouts
@@ -117,7 +119,7 @@ def test_bucketed_encoding_equals_full_length_padding():
 
     from infjax.config import base_config
     from infjax.data.tokenize import Tokenizer
-    from infjax.inference import TextEmbedder, length_buckets
+    from infjax.inference.embedders import TextEmbedder, length_buckets
     from infjax.models.encoder import load_encoder
     from infjax.training.mesh import make_mesh, replicated
 
@@ -179,7 +181,7 @@ def test_mair_and_bright_fixtures_load_and_retrieve(tmp_path):
     (task,) = eval_data.load(f"bright:{root}", instruction="Retrieve the manual page.")
     assert task.name == "pony" and task.qrels == {"b0": {d: 1 for d in gold}}
     fmt = TextFormat()
-    result = evaluate.evaluate_task(task, evaluate.template_pairs(fake_embed, fmt), fake_embed, fmt, top_k=len(docs))
+    result = eval_tasks.evaluate_task(task, eval_tasks.template_pairs(fake_embed, fmt), fake_embed, fmt, top_k=len(docs))
     assert not set(excluded) & set(result["runs"][""]["b0"])
     assert len(result["runs"][""]["b0"]) == len(docs) - len(excluded)
     assert 0.0 <= result["summary"]["ndcg@10"] <= 1.0
@@ -258,9 +260,9 @@ def test_followir_fixture_scores_end_to_end_and_matches_the_synthetic_split(tmp_
     per_query = json.load(open(out / "per_query.json"))
     assert set(per_query) == set(SPLIT.queries) and all("p_mrr" in v for v in per_query.values())
     # The written TREC runs score the same through pytrec_eval and p-MRR.
-    from infjax.metrics import p_mrr
+    from infjax.evaluation.metrics import p_mrr
 
-    run_og, run_new = evaluate.read_trec_run(out / "run.og.trec"), evaluate.read_trec_run(out / "run.changed.trec")
+    run_og, run_new = trec.read_trec_run(out / "run.og.trec"), trec.read_trec_run(out / "run.changed.trec")
     assert trec_metrics(SPLIT.qrels_og, run_og, ("map@1000",))[0]["map@1000"] == pytest.approx(summary["map@1000"])
     assert p_mrr(run_og, run_new, SPLIT.qrels_og, SPLIT.qrels_changed) == pytest.approx(summary["p_mrr"], abs=1e-3)
     # The same queries through the synthetic generator give the same numbers.
@@ -282,7 +284,7 @@ def test_beir_fixture_end_to_end_st_folder_equals_hf_checkpoint_through_infjax(t
         assert _cli(f"--model={folder}", f"--model_type={model_type}", f"--dataset=beir:{beir}", f"--out={out}") == 0
         summaries[model_type] = json.load(open(out / "summary.json"))
         assert set(summaries[model_type]) == {"ndcg@10", "map@100", "recall@100", "mrr"}
-        run = evaluate.read_trec_run(out / "run.trec")
+        run = trec.read_trec_run(out / "run.trec")
         qrels = eval_data.load(f"beir:{beir}")[0].qrels
         assert trec_metrics(qrels, run, ("ndcg@10",))[0]["ndcg@10"] == pytest.approx(summaries[model_type]["ndcg@10"])
     assert summaries["sentence_transformers"] == pytest.approx(summaries["hf"], abs=1e-6)
@@ -372,7 +374,7 @@ def test_embedding_cache_hit_gives_identical_results(tmp_path, caplog):
 
 
 def test_embedding_cache_keys_on_texts(tmp_path):
-    from infjax.inference import EmbeddingCache
+    from infjax.inference.cache import EmbeddingCache
 
     calls = []
 
@@ -417,18 +419,18 @@ def test_evaluate_during_training_on_specs(tmp_path):
     beir = write_beir(str(tmp_path / "toy"))
     fir = write_followir(str(tmp_path / "news21-instructions"))
     specs = [f"beir:{beir}", f"followir:{fir}", "synthetic:seed=7,num_queries=3,pool_size=8"]
-    out = evaluate.evaluate_during_training(specs, fake_embed, fake_embed, TextFormat())
+    out = eval_tasks.evaluate_specs(specs, eval_tasks.template_pairs(fake_embed, TextFormat()), fake_embed, TextFormat())
     assert set(out) == set(specs)
     assert set(out[specs[0]]) == {"ndcg@10", "map@100", "recall@100", "mrr", "main"}
     assert out[specs[1]]["main"] == out[specs[1]]["ndcg@5"]
     assert out[specs[1]] == pytest.approx(out[specs[2]])               # the same queries, two loaders
-    again = evaluate.evaluate_during_training(specs, fake_embed, fake_embed, TextFormat())
+    again = eval_tasks.evaluate_specs(specs, eval_tasks.template_pairs(fake_embed, TextFormat()), fake_embed, TextFormat())
     assert again == out
 
 
 def test_mteb_adapter_formats_queries_and_passages():
-    from infjax.model_sources import EmbeddingModel
-    from infjax.mteb_adapter import InfjaxMTEBModel
+    from infjax.inference.sources import EmbeddingModel
+    from infjax.evaluation.mteb_adapter import InfjaxMTEBModel
 
     seen = {}
     model = EmbeddingModel("fake", "hf", None, TextFormat(query_prefix="query: ", passage_prefix="passage: "), 64, 64,

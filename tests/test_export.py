@@ -242,7 +242,7 @@ def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
     from transformers import AutoModel, AutoTokenizer
 
     from infjax.data.tokenize import TextFormat
-    from infjax.interaction_inference import CrossAttentionQueryEmbedder
+    from infjax.inference.embedders import CrossAttentionQueryEmbedder
     from infjax.training import mesh as mesh_lib
     from tests.test_train import small_config as train_config
 

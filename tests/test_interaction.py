@@ -72,7 +72,7 @@ def test_cross_attention_trains_and_updates_the_head(objective, tmp_path):
     c = small_config(objective, **{"model.interaction": "cross_attention", "train.steps": 2,
                                    "data.synthetic.num_eval_queries": 3})
     result = train.run(c, str(tmp_path))
-    head = jax.device_get(result["state"].params["interaction"])
+    head = jax.device_get(result.state.params["interaction"])
     assert not np.allclose(head["w_i"], np.eye(head["w_i"].shape[0]))
-    assert np.all(np.isfinite([v for _, v in result["losses"]]))
-    assert np.isfinite(result["eval"]["after"]["p_mrr"])
+    assert np.all(np.isfinite([v for _, v in result.losses]))
+    assert np.isfinite(result.eval["after"]["p_mrr"])

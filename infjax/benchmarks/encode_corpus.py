@@ -15,12 +15,21 @@ from __future__ import annotations
 import argparse
 import time
 
+import jax
 import numpy as np
+import torch
+from sentence_transformers import SentenceTransformer
+
+from infjax.config import base_config
+from infjax.data import synthetic
+from infjax.data.tokenize import Tokenizer
+from infjax.inference.embedders import TextEmbedder
+from infjax.models.encoder import load_encoder
+from infjax.models.hf_io import embedded_minilm_path
+from infjax.training.mesh import default_mesh, replicated
 
 
 def synthetic_passages(n: int, seed: int = 0) -> list[str]:
-    from infjax.data import synthetic
-
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -38,22 +47,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed passes per library (the best is reported)")
     args = p.parse_args(argv)
 
-    import jax
-    import ml_collections
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    from infjax.config import base_config
-    from infjax.data.tokenize import Tokenizer
-    from infjax.inference import TextEmbedder
-    from infjax.models.encoder import load_encoder
-    from infjax.models.hf_io import embedded_minilm_path
-    from infjax.training.mesh import make_mesh, replicated
-
     texts = synthetic_passages(args.n)
 
     encoder, params, path = load_encoder(base_config("multi_pi").model)
-    mesh = make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+    mesh = default_mesh()
     params = jax.device_put(params["shared"], replicated(mesh))
     embedder = TextEmbedder(encoder, mesh, Tokenizer(path, encoder.padding_side), args.batch_size)
     ours = embedder(params, texts, args.max_len)                  # warm-up: compiles every bucket

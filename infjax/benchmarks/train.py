@@ -22,6 +22,12 @@ import time
 import jax
 import ml_collections
 import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from infjax import config as config_lib
+from infjax.models.encoder import load_encoder
+from infjax.training import mesh as mesh_lib, setup as setup_lib, state as state_lib
 
 # device_kind substring -> peak dense bf16 FLOP/s per device
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
@@ -38,9 +44,6 @@ def peak_flops(device, override: float = 0.0) -> float | None:
 
 
 def _flags(argv):
-    from absl import flags
-    from ml_collections import config_flags
-
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi_pi.py[:preset].",
                                     flag_values=fv, lock_config=False)
@@ -62,28 +65,22 @@ class Setup:
     """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
 
     def __init__(self, config):
-        from infjax import config as config_lib, train
-        from infjax.models.encoder import load_encoder
-        from infjax.training import mesh as mesh_lib, state as state_lib
-
         config_lib.validate(config, jax.device_count(), jax.process_count())
         self.config = config
         self.encoder, params, path = load_encoder(config.model)
-        self.records = train.load_training_records(config.data, config.train.seed)
-        self.objective = train.make_objective(config)
-        _, _, self.plan, self.build = train.make_batch_builder(config, self.records, self.encoder, path,
-                                                               self.objective)
+        self.records = setup_lib.load_training_records(config.data)
+        self.objective = setup_lib.make_objective(config)
+        batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective)
+        self.plan, self.build = batch_setup.plan, batch_setup.build
         self.mesh = mesh_lib.make_mesh(config.mesh)
         self.optimizer, self.schedule = state_lib.make_optimizer(config.train, max(config.train.steps, 1000))
         self.abstract = state_lib.abstract_state(params, self.optimizer, config.train.seed)
         self.shardings = state_lib.state_shardings(self.abstract, self.encoder.module, self.mesh)
         self.params = params
-        self.step = train.compiled_train_step(config, self.encoder, self.objective, self.optimizer, self.schedule,
-                                              self.mesh, self.shardings)
+        self.step = setup_lib.compiled_train_step(config, self.encoder, self.objective, self.optimizer,
+                                                  self.schedule, self.mesh, self.shardings)
 
     def batch(self, i: int):
-        from infjax.training import mesh as mesh_lib
-
         return mesh_lib.global_batch(self.build(i), self.mesh)
 
     def abstract_inputs(self, batch):
@@ -108,8 +105,6 @@ def peak_bytes(compiled) -> int:
 
 
 def throughput(config, steps: int, warmup: int, peak_override: float = 0.0) -> dict:
-    from infjax.training import state as state_lib
-
     setup = Setup(config)
     state, _ = state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,
                                               setup.encoder.module, setup.mesh)
@@ -140,8 +135,6 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0) -> d
 
 
 def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
-    from infjax import config as config_lib
-
     out = []
     for rows in rows_list:
         per_record = 3 if config.data.hard_negatives else 1

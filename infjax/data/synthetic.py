@@ -22,9 +22,9 @@ topics, so they share no query. Everything is a pure function of the seed.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
+
+from infjax.data.types import FollowIRSplit
 
 # --- vocabulary ----------------------------------------------------------
 
@@ -186,20 +186,6 @@ def make_train_records(num_records: int, seed: int, topics: tuple[str, ...] | No
             "hard_negative_document_2": passage_text(rng, other_topic, other_attrs),
         })
     return records
-
-
-@dataclasses.dataclass(frozen=True)
-class FollowIRSplit:
-    """A FollowIR-style evaluation split: rerank each query's own candidate pool
-    under its original and its changed instruction."""
-
-    corpus: dict[str, str]                       # doc id -> passage
-    queries: dict[str, str]                      # query id -> query text
-    instructions_og: dict[str, str]              # query id -> original instruction
-    instructions_changed: dict[str, str]         # query id -> changed (stricter) instruction
-    candidates: dict[str, list[str]]             # query id -> candidate doc ids
-    qrels_og: dict[str, dict[str, int]]          # relevance under the original instruction
-    qrels_changed: dict[str, dict[str, int]]     # relevance under the changed instruction
 
 
 def make_eval_split(num_queries: int, seed: int, pool_size: int = 24,

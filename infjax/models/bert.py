@@ -16,6 +16,11 @@ simple table::
     layer_{i}/output/{kernel [I, H], bias [H]}
     layer_{i}/output_LayerNorm/{scale,bias}       [H]
 
+With ``scan_layers=True`` the ``layer_{i}`` subtrees are stacked into one
+``layers`` subtree with a leading layer axis (see ``layers.stack_layers``),
+as for the other families. Attention, Linear layers, LayerNorm, activations
+and the layer loop are the shared ones of :mod:`infjax.models.layers`.
+
 Usage::
 
     module = BertModel(config)
@@ -24,21 +29,12 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
-# Hugging Face activation names -> JAX functions. "gelu" is the exact erf GELU
-# (what HF's ACT2FN["gelu"] computes); the two tanh variants are the
-# approximation used by GPT-2 style checkpoints.
-_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-}
+from infjax.models import layers as L
 
 # Keys a Hugging Face BERT config.json must carry (everything else has the
 # same default as transformers.BertConfig).
@@ -69,11 +65,7 @@ class BertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self):
-        if self.hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"BertConfig.hidden_act={self.hidden_act!r} is not supported; "
-                f"expected one of {sorted(_ACTIVATIONS)}"
-            )
+        L.activation(self.hidden_act, source="BertConfig")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(
                 f"BertConfig.hidden_size={self.hidden_size} is not divisible by "
@@ -108,12 +100,7 @@ class BertConfig:
                 f"{source}: position_embedding_type={position_type!r} is not supported "
                 "(only 'absolute')"
             )
-        hidden_act = d.get("hidden_act", cls.hidden_act)
-        if not isinstance(hidden_act, str) or hidden_act not in _ACTIVATIONS:
-            raise ValueError(
-                f"{source}: hidden_act={hidden_act!r} is not supported; expected one of "
-                f"{sorted(_ACTIVATIONS)}"
-            )
+        L.activation(d.get("hidden_act", cls.hidden_act), source)
         present = {
             f.name: d[f.name] for f in dataclasses.fields(cls)
             if f.name in d and d[f.name] is not None
@@ -122,16 +109,6 @@ class BertConfig:
             return cls(**_coerce_types(present))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: invalid BERT config: {e}") from e
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """The Hugging Face ``config.json`` dict describing this architecture."""
-        d = dataclasses.asdict(self)
-        d.update(
-            model_type="bert",
-            architectures=["BertModel"],
-            position_embedding_type="absolute",
-        )
-        return d
 
 
 def _coerce_types(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -143,11 +120,6 @@ def _coerce_types(kwargs: dict[str, Any]) -> dict[str, Any]:
             type_name = field.type if isinstance(field.type, str) else field.type.__name__
             out[field.name] = casts[type_name](kwargs[field.name])
     return out
-
-
-def attention_mask_to_bool(attention_mask: jax.Array) -> jax.Array:
-    """[B, L] padding mask (1 = real token) -> boolean key mask [B, 1, 1, L]."""
-    return (attention_mask > 0)[:, None, None, :]
 
 
 class BertEmbeddings(nn.Module):
@@ -180,80 +152,61 @@ class BertEmbeddings(nn.Module):
             + embed("position_embeddings", cfg.max_position_embeddings)(positions)
             + embed("token_type_embeddings", cfg.type_vocab_size)(token_type_ids)
         )
-        x = nn.LayerNorm(
-            epsilon=cfg.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
-            name="LayerNorm",
-        )(x)
+        x = L.layer_norm(cfg.layer_norm_eps, "LayerNorm", use_bias=True, two_pass_variance=False,
+                         dtype=self.dtype, param_dtype=self.param_dtype)(x)
         return nn.Dropout(cfg.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
 class BertSelfAttention(nn.Module):
-    """Multi-head self attention with its output projection (no LayerNorm)."""
+    """Multi-head self attention with its output projection (no LayerNorm).
+
+    ``deterministic`` is an attribute (not a call argument) so that the layer
+    stack can be rematerialised and scanned by ``layers.run_layers``.
+    """
 
     config: BertConfig
+    deterministic: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, key_mask, deterministic: bool):
+    def __call__(self, x, key_mask):
         cfg = self.config
-        batch, seq_len, _ = x.shape
-
-        def dense(name):
-            return nn.Dense(
-                cfg.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                kernel_init=nn.initializers.normal(stddev=0.02), name=name,
-            )
-
-        def heads(t):
-            return t.reshape(batch, seq_len, cfg.num_attention_heads, cfg.head_dim)
-
-        q = heads(dense("query")(x))
-        k = heads(dense("key")(x))
-        v = heads(dense("value")(x))
+        b, t, _ = x.shape
+        kw = dict(use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype)
+        q, k, v = (
+            L.dense(cfg.hidden_size, name, **kw)(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+            for name in ("query", "key", "value")
+        )
         drop = cfg.attention_probs_dropout_prob
-        if deterministic or drop == 0.0:
-            ctx = jax.nn.dot_product_attention(q, k, v, mask=key_mask)
-        else:
-            ctx = _attention_with_dropout(q, k, v, key_mask, nn.Dropout(drop))
-        ctx = ctx.reshape(batch, seq_len, cfg.hidden_size)
-        return dense("output")(ctx)
-
-
-def _attention_with_dropout(q, k, v, key_mask, dropout: nn.Dropout):
-    """Explicit softmax attention with dropout on the probabilities (training)."""
-    scale = q.shape[-1] ** -0.5
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
-    logits = jnp.where(key_mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(q.dtype)
-    probs = dropout(probs, deterministic=False)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        ctx = L.self_attention(q, k, v, key_mask,
+                               dropout=None if self.deterministic or drop == 0.0 else nn.Dropout(drop))
+        return L.dense(cfg.hidden_size, "output", **kw)(ctx.reshape(b, t, cfg.hidden_size))
 
 
 class BertLayer(nn.Module):
-    """One post-LayerNorm transformer block."""
+    """One post-LayerNorm transformer block: LN(x + attn(x)), then LN(x + mlp(x))."""
 
     config: BertConfig
+    deterministic: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, key_mask, deterministic: bool):
+    def __call__(self, x, key_mask):
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        dense_init = nn.initializers.normal(stddev=0.02)
 
         def layer_norm(name):
-            return nn.LayerNorm(epsilon=cfg.layer_norm_eps, name=name, **kw)
+            return L.layer_norm(cfg.layer_norm_eps, name, use_bias=True, two_pass_variance=False, **kw)
 
-        def dropout(t):
-            return nn.Dropout(cfg.hidden_dropout_prob)(t, deterministic=deterministic)
+        def dropout(h):
+            return nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=self.deterministic)
 
-        attn = BertSelfAttention(cfg, name="attention", **kw)(x, key_mask, deterministic)
+        attn = BertSelfAttention(cfg, self.deterministic, name="attention", **kw)(x, key_mask)
         x = layer_norm("attention_LayerNorm")(x + dropout(attn))
-        h = nn.Dense(cfg.intermediate_size, kernel_init=dense_init, name="intermediate", **kw)(x)
-        h = _ACTIVATIONS[cfg.hidden_act](h)
-        h = nn.Dense(cfg.hidden_size, kernel_init=dense_init, name="output", **kw)(h)
+        h = L.dense(cfg.intermediate_size, "intermediate", use_bias=True, **kw)(x)
+        h = L.dense(cfg.hidden_size, "output", use_bias=True, **kw)(L.activation(cfg.hidden_act)(h))
         return layer_norm("output_LayerNorm")(x + dropout(h))
 
 
@@ -266,24 +219,26 @@ class BertModel(nn.Module):
       param_dtype: dtype of the parameters (float32).
       remat: recompute each layer's activations in the backward pass
         (gradient checkpointing); does not change the parameter tree.
+      scan_layers: run the layers with ``nn.scan`` (parameters stacked under
+        ``layers`` with a leading layer axis).
     """
 
     config: BertConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     remat: bool = False
+    scan_layers: bool = False
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
+        cfg = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = BertEmbeddings(self.config, name="embeddings", **kw)(input_ids, token_type_ids, deterministic)
-        key_mask = attention_mask_to_bool(attention_mask)
-        # static_argnums counts `self` as argument 0: (self, x, key_mask, deterministic).
-        layer_cls = nn.remat(BertLayer, static_argnums=(3,)) if self.remat else BertLayer
-        for i in range(self.config.num_hidden_layers):
-            x = layer_cls(self.config, name=f"layer_{i}", **kw)(x, key_mask, deterministic)
-        return x
+        x = BertEmbeddings(cfg, name="embeddings", **kw)(input_ids, token_type_ids, deterministic)
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
+        return L.run_layers(BertLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
+                            (L.key_padding_mask(attention_mask),), first=0,
+                            remat=self.remat, scan=self.scan_layers)

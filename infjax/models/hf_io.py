@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from infjax.models import layers as L
 from infjax.models.bert import BertConfig, BertModel
 
 # Files a checkpoint folder needs: architecture, weights, tokenizer and the
@@ -285,16 +286,6 @@ def bert_name_map(config: BertConfig) -> Iterator[tuple[str, tuple[str, ...], bo
             yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
 
 
-def _expected_shapes(config: BertConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Flax parameter shapes, from an abstract (no-FLOP) init of the module."""
-    import jax
-
-    ids = jnp.zeros((1, 1), jnp.int32)
-    shapes = jax.eval_shape(lambda: BertModel(config).init(jax.random.PRNGKey(0), ids, ids))
-    flat = jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
-    return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
-
-
 def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
     """``tree[p0][p1]...[pn] = value``, creating intermediate dicts."""
     for key in path[:-1]:
@@ -313,36 +304,41 @@ def _get_path(tree: Mapping, path: tuple[str, ...]) -> Any:
 
 
 def bert_params_from_hf(tensors: Mapping[str, np.ndarray], config: BertConfig) -> dict:
-    """Map HF ``BertModel`` tensors to the Flax parameter tree (host float32 numpy).
+    """Map HF ``BertModel`` tensors to the unrolled Flax parameter tree (host float32 numpy).
 
     Accepts names with or without a leading ``bert.``. Raises ``ValueError``
     listing missing tensors, unexpected tensors (``pooler.*``, ``cls.*`` and
     ``embeddings.position_ids`` are ignored) and shape mismatches.
     """
-    return params_from_hf(tensors, bert_name_map(config), _expected_shapes(config), what="BERT",
+    return params_from_hf(tensors, bert_name_map(config), module_param_shapes(BertModel(config)), what="BERT",
                           prefixes=(_HF_PREFIX,), ignorable=_IGNORABLE)
 
 
 def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> dict[str, np.ndarray]:
-    """Inverse of :func:`bert_params_from_hf`: Flax tree -> HF ``BertModel`` names.
+    """Inverse of :func:`bert_params_from_hf`: Flax tree (unrolled or scanned) -> HF ``BertModel`` names.
 
     Returns contiguous host float32 numpy arrays (ready for safetensors),
     named with ``prefix`` prepended (``""`` for ``BertModel``).
     """
-    return params_to_hf(params, bert_name_map(config), prefix)
+    return params_to_hf(L.unstack_layers(params, 0), bert_name_map(config), prefix)
 
 
-def load_bert(name_or_path: str, dtype: Any = jnp.float32) -> tuple[BertModel, dict, dict, str]:
+def load_bert(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False,
+              scan_layers: bool = False) -> tuple[BertModel, dict, dict, str]:
     """Resolve, read and map a BERT checkpoint.
 
     Returns ``(module, params, hf_config_dict, path)`` where ``module`` computes
     in ``dtype`` (float32 by default) and ``params`` are host float32 arrays.
+    With ``scan_layers`` the parameters come stacked under ``layers`` (one
+    leading layer axis), the layout the scanned module expects.
     """
     path = resolve_checkpoint(name_or_path)
     hf_config = load_hf_config(path)
     config = BertConfig.from_hf_dict(hf_config, source=os.path.join(path, "config.json"))
     params = bert_params_from_hf(read_safetensors(path), config)
-    module = BertModel(config, dtype=dtype)
+    if scan_layers:
+        params = L.stack_layers(params, 0, config.num_hidden_layers)
+    module = BertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
     return module, params, hf_config, path
 
 

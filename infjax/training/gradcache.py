@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from infjax import losses
 from infjax.models.encoder import Encoder
-from infjax.training import step as step_lib
+from infjax.training import embed
 from infjax.training.mesh import BATCH_AXES
 
 
@@ -58,7 +58,7 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
 
     def grad_fn(params, batch, rng):
         keys = list(jax.random.split(rng, 3)) if dropout and rng is not None else [None] * 3
-        calls = step_lib.encoder_calls(encoder, batch)
+        calls = embed.encoder_calls(encoder, batch)
         chunked = {}
         for name, (fn, ids, mask, k) in calls.items():
             n = ids.shape[0]
@@ -80,7 +80,7 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
 
         # 2. The loss on the whole global batch; gradients w.r.t. the outputs (and the head).
         def loss_of_outputs(params, outputs):
-            embeddings = step_lib.assemble(params, outputs, batch, objective.needs_instruction_negatives)
+            embeddings = embed.assemble(params, outputs, batch, objective.needs_instruction_negatives)
             return losses.contrastive_loss(objective, **embeddings)
 
         (loss, metrics), (grads, cotangents) = jax.value_and_grad(loss_of_outputs, argnums=(0, 1), has_aux=True)(

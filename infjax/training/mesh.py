@@ -22,24 +22,37 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh from `config.mesh`; an axis of -1 takes the remaining devices.
+    """A (data, fsdp, tensor) mesh from `config.mesh` (or a dict of the three sizes); an axis of -1 takes
+    the remaining devices.
 
-    Axis types are Auto so that sharding propagation inserts the collectives
-    (e.g. the all-gather behind iq @ p.T with both operands split on data).
+    `jax.make_mesh` orders the devices by the physical topology (TPU torus, GPU NVLink islands), so that
+    the innermost axes land on the best-connected devices. Axis types are Auto so that sharding
+    propagation inserts the collectives (e.g. the all-gather behind iq @ p.T with both operands split on
+    data).
     """
     devices = list(devices if devices is not None else jax.devices())
     data, fsdp, tensor = mesh_shape(mesh_config, len(devices))
     n = data * fsdp * tensor
     if n < 1 or n > len(devices):
-        raise ValueError(f"config.mesh (data={mesh_config.data}, fsdp={mesh_config.fsdp}, "
-                         f"tensor={mesh_config.tensor}) needs {n} devices, {len(devices)} available")
-    grid = np.asarray(devices[:n]).reshape(data, fsdp, tensor)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+        raise ValueError(f"config.mesh (data={mesh_config['data']}, fsdp={mesh_config['fsdp']}, "
+                         f"tensor={mesh_config['tensor']}) needs {n} devices, {len(devices)} available")
+    return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
+
+
+def default_mesh() -> Mesh:
+    """Every device on the data axis: the mesh of evaluation and export when no config names one."""
+    return make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
 
 
 def batch_shards(mesh: Mesh) -> int:
     """How many pieces the batch's leading dimension is split into."""
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def round_to_shards(rows: int, mesh: Mesh) -> int:
+    """`rows` rounded up to a multiple of the batch shards (a batch the mesh can split evenly)."""
+    shards = batch_shards(mesh)
+    return -(-rows // shards) * shards
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -1,4 +1,5 @@
-"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (SPEC §6).
+"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (SPEC §6; the rules
+themselves are each family's `partition_rules` in infjax/models/registry.py).
 
 A parameter's path is its keys joined by "/" (e.g. "shared/layer_3/attention/query/kernel").
 The FIRST rule whose regex `re.search`es the path gives its PartitionSpec; a path no rule
@@ -19,57 +20,22 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-IN_OUT = P("fsdp", "tensor")       # x @ W: W [in, out], the output features split over tensor
-OUT_IN = P("tensor", "fsdp")       # the projection back to the residual stream
-EMBED = P("tensor", "fsdp")        # [vocab, hidden]
-REPLICATED = P()
+from infjax.models import registry
 
 # Shared by every family: the Interaction II head (three d x d matrices) is small and replicated.
-HEAD_RULES = ((r"^interaction/", REPLICATED),)
-
-RULES = {
-    "bert": (
-        (r"embeddings/(word|position|token_type)_embeddings/embedding$", EMBED),
-        (r"attention/(query|key|value)/kernel$", IN_OUT),
-        (r"attention/(query|key|value)/bias$", P("tensor")),
-        (r"attention/output/kernel$", OUT_IN),
-        (r"intermediate/kernel$", IN_OUT),
-        (r"intermediate/bias$", P("tensor")),
-        (r"output/kernel$", OUT_IN),
-        (r"(LayerNorm|_norm|norm)/(scale|bias)$", REPLICATED),
-        (r"/bias$", REPLICATED),
-    ),
-    "modernbert": (
-        (r"tok_embeddings/embedding$", EMBED),
-        (r"attn/Wqkv/kernel$", IN_OUT),
-        (r"attn/Wo/kernel$", OUT_IN),
-        (r"mlp/Wi/kernel$", IN_OUT),
-        (r"mlp/Wo/kernel$", OUT_IN),
-        (r"norm/(scale|bias)$", REPLICATED),
-    ),
-    "decoder": (
-        (r"embed_tokens/embedding$", EMBED),
-        (r"self_attn/(q|k|v)_proj/kernel$", IN_OUT),
-        (r"self_attn/(q|k|v)_proj/bias$", P("tensor")),
-        (r"self_attn/o_proj/kernel$", OUT_IN),
-        (r"mlp/(gate|up)_proj/kernel$", IN_OUT),
-        (r"mlp/down_proj/kernel$", OUT_IN),
-        (r"norm/scale$", REPLICATED),
-    ),
-}
+HEAD_RULES = ((r"^interaction/", P()),)
 
 
 class NoRuleError(ValueError):
     """A parameter that no partition rule matches; the message names it."""
 
 
-def family_of(module) -> str:
-    """The rule set for a backbone module: bert | modernbert | decoder (Llama, Qwen2)."""
-    name = type(module).__name__
-    families = {"BertModel": "bert", "ModernBertModel": "modernbert", "DecoderModel": "decoder"}
-    if name in families:
-        return families[name]
-    raise NoRuleError(f"no partition rules for backbone module {name}; known: {sorted(families)}")
+def rules_for(module) -> tuple:
+    """The partition rules of the backbone family whose module this is (models/registry.py)."""
+    try:
+        return registry.of_module(module).partition_rules
+    except ValueError as e:
+        raise NoRuleError(str(e)) from None
 
 
 def path_str(path) -> str:
@@ -84,7 +50,7 @@ def spec_for(path: str, shape: tuple[int, ...], rules, mesh: Mesh | None = None)
             break
     else:
         raise NoRuleError(f"no partition rule matches parameter {path!r} (shape {tuple(shape)}); "
-                          f"add one to infjax/training/partitioning.py")
+                          f"add one to its family's partition_rules in infjax/models/registry.py")
     spec = tuple(spec)[:len(shape)]
     spec = (None,) * (len(shape) - len(spec)) + spec
     if mesh is not None:
@@ -100,7 +66,7 @@ def spec_for(path: str, shape: tuple[int, ...], rules, mesh: Mesh | None = None)
 
 def param_specs(params, module, mesh: Mesh | None = None):
     """A PartitionSpec per parameter leaf (same tree structure as `params`)."""
-    rules = HEAD_RULES + RULES[family_of(module)]
+    rules = HEAD_RULES + rules_for(module)
     return jax.tree_util.tree_map_with_path(lambda path, x: spec_for(path_str(path), np.shape(x), rules, mesh),
                                             params)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import ml_collections
 
 from infjax.models.encoder import Encoder, load_encoder
@@ -41,7 +40,7 @@ def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
         config = ml_collections.ConfigDict(ckpts.saved_config(step))
         encoder, params, base_path = load_encoder(config.model)
         optimizer, _ = state_lib.make_optimizer(config.train, total_steps=1)
-        mesh = mesh or mesh_lib.make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+        mesh = mesh or mesh_lib.default_mesh()
         abstract = state_lib.abstract_state(params, optimizer)
         abstract = checkpoint.abstract_like(abstract, state_lib.state_shardings(abstract, encoder.module, mesh))
         state, _ = ckpts.restore(step, abstract)

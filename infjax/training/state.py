@@ -15,6 +15,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from infjax.training import partitioning
+from infjax.training.mesh import put
 
 MOMENTS_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 
@@ -68,8 +69,6 @@ def state_shardings(abstract: TrainState, module, mesh: Mesh) -> TrainState:
 def create_sharded_state(params, optimizer: optax.GradientTransformation, seed: int, module, mesh: Mesh):
     """(state, state shardings): host parameters placed by their shardings, the rest created
     sharded by one jitted init with `out_shardings`."""
-    from infjax.training.mesh import put
-
     abstract = abstract_state(params, optimizer, seed)
     shardings = state_shardings(abstract, module, mesh)
     create = jax.jit(lambda p: create_state(p, optimizer, seed), in_shardings=(shardings.params,),

@@ -17,16 +17,20 @@ and normalization); a `modules.json` folder can also be read by infjax with
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 
+import ml_collections
 import numpy as np
 
-from infjax.data.tokenize import TextFormat
-from infjax.followir import PairEmbedFn
-from infjax.inference import EmbedFn
-from infjax.training.mesh import put, replicated
+from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
+from infjax.models import hf_io
+from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
+from infjax.training.mesh import default_mesh, put, replicated
+from infjax.training.restore import load_run
 
 log = logging.getLogger("infjax.model_sources")
 
@@ -87,8 +91,6 @@ def detect_type(source: str) -> str:
 
 def _fingerprint(folder: str) -> str:
     """A short hash of the names, sizes and mtimes of a checkpoint's weight and config files."""
-    import hashlib
-
     try:
         files = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".json")))
     except OSError:
@@ -122,19 +124,10 @@ def st_pooling(folder: str) -> str | None:
 
 
 def _mesh(mesh):
-    if mesh is not None:
-        return mesh
-    import ml_collections
-
-    from infjax.training.mesh import make_mesh
-
-    return make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
+    return mesh if mesh is not None else default_mesh()
 
 
 def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool):
-    from infjax.inference import TextEmbedder
-    from infjax.models.encoder import passage_params, query_params
-
     embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
     params = put(params, replicated(mesh))
     qp, pp = query_params(params), passage_params(params)
@@ -189,9 +182,6 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
 
 
 def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> EmbeddingModel:
-    from infjax.data.tokenize import Tokenizer
-    from infjax.training.restore import load_run
-
     if not is_run_dir(os.path.expanduser(workdir)):
         raise ModelSourceError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
     mesh = _mesh(mesh)
@@ -204,8 +194,6 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
     interaction = run.config.model.get("interaction", "concat")
     embed_pairs = None
     if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
-        from infjax.interaction_inference import CrossAttentionQueryEmbedder
-
         pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
         params = put(run.params, replicated(mesh))
         embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
@@ -216,22 +204,17 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
 
 
 def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress) -> EmbeddingModel:
-    import ml_collections
-
-    from infjax.data.tokenize import Tokenizer
-    from infjax.models import hf_io
-    from infjax.models.encoder import checkpoint_path, load_encoder
-
     if dtype not in ("float32", "bfloat16"):
         raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
     try:
         path = checkpoint_path(source)
     except hf_io.CheckpointNotFound as e:
         raise ModelSourceError(f"--model={source!r}: {e}") from None
-    pooling = pooling or st_pooling(path) or "mean"
+    pooling = pooling or st_pooling(path) or "auto"         # auto: the family's own (models/registry.py)
     config = ml_collections.ConfigDict({"checkpoint": path, "family": "auto", "pooling": pooling,
                                         "shared_encoder": True, "dtype": dtype})
     encoder, params, path = load_encoder(config)
+    pooling = encoder.pooling                                 # "auto" resolved
     max_pos = hf_io.load_hf_config(path).get("max_position_embeddings") or 8192
     qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
     plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
@@ -242,7 +225,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
 
 
 def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
-    from sentence_transformers import SentenceTransformer
+    from sentence_transformers import SentenceTransformer   # optional: only sentence-transformers folders need it
 
     folder = os.path.expanduser(source)
     if not os.path.isfile(os.path.join(folder, "modules.json")):

@@ -23,13 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from infjax.training.mesh import BATCH_AXES, from_host, replicated
+from infjax.training.mesh import BATCH_AXES, batch_shards, default_mesh, from_host, replicated, round_to_shards
 
 
 def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:
     """jitted (queries [Q, d], block [B, d], n_valid, offset, best_v [Q, k], best_i [Q, k]) -> merged top-k."""
-    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    local = block_size // n_shards
+    local = block_size // batch_shards(mesh)
 
     def per_device(q, block, n_valid, offset):
         shard = jax.lax.axis_index(BATCH_AXES)
@@ -81,15 +80,9 @@ def search(queries: np.ndarray, corpus: np.ndarray, k: int, mesh: Mesh | None = 
     k = min(k, n)
     if q_total == 0 or k == 0:
         return np.zeros((q_total, k), np.float32), np.zeros((q_total, k), np.int32)
-    if mesh is None:
-        from infjax.training.mesh import make_mesh
-        import ml_collections
-
-        mesh = make_mesh(ml_collections.ConfigDict({"data": -1, "fsdp": 1, "tensor": 1}))
-    n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    block = min(block_size, n)
-    block = -(-block // n_shards) * n_shards                          # a multiple of the shards
-    k_local = min(k, block // n_shards)
+    mesh = mesh if mesh is not None else default_mesh()
+    block = round_to_shards(min(block_size, n), mesh)
+    k_local = min(k, block // batch_shards(mesh))
     fn = _cached_block_fn(mesh, block, k_local, k)
     repl, blk_sharding = replicated(mesh), NamedSharding(mesh, P(BATCH_AXES))
 

@@ -3,7 +3,7 @@
     pip install mteb
     python - <<'EOF'
     import mteb
-    from infjax.mteb_adapter import InfjaxMTEBModel
+    from infjax.evaluation.mteb_adapter import InfjaxMTEBModel
 
     model = InfjaxMTEBModel("runs/x")                      # a run directory (latest step), or step=N
     # model = InfjaxMTEBModel("intfloat/e5-base-v2", query_prefix="query: ", passage_prefix="passage: ")
@@ -38,7 +38,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from infjax.model_sources import EmbeddingModel, load_model
+from infjax.inference.sources import EmbeddingModel, load_model
 
 
 def _prompt_kind(prompt_type) -> str | None:

@@ -46,7 +46,7 @@ import os
 from typing import Iterable
 
 from infjax.data import synthetic
-from infjax.data.synthetic import FollowIRSplit
+from infjax.data.types import FollowIRSplit
 
 log = logging.getLogger("infjax.eval_data")
 

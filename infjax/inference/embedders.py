@@ -1,4 +1,9 @@
-"""Encoding lists of texts with a trained encoder: jitted, sharded over the mesh's batch axes.
+"""Texts -> embeddings with a trained encoder: jitted, sharded over the mesh's batch axes.
+
+`TextEmbedder` encodes one text per row (passages, and instruction-aware
+queries under Interaction I); `CrossAttentionQueryEmbedder` encodes the
+instruction and the query apart and combines them with the interaction head
+(Interaction II), as in training.
 
 Texts are sorted by length and each batch is padded only to the smallest of a
 few static length buckets (powers of two up to max_len) that holds its
@@ -8,22 +13,19 @@ stays small. Results come back in the input order.
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import logging
-import os
 from typing import Callable
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from infjax.data.tokenize import Tokenizer
-from infjax.models.encoder import Encoder
-from infjax.training.mesh import batch_sharding, put, replicated
+from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.models import interaction
+from infjax.models.encoder import Encoder, query_params
+from infjax.training.mesh import batch_sharding, put, replicated, round_to_shards
 
-log = logging.getLogger("infjax.inference")
+EmbedFn = Callable[[list[str]], np.ndarray]                    # texts -> L2-normalized embeddings [N, d]
+PairEmbedFn = Callable[[list[str], list[str]], np.ndarray]     # (instructions, queries) -> iq embeddings
 
 
 def length_buckets(max_len: int, smallest: int = 16) -> tuple[int, ...]:
@@ -50,8 +52,7 @@ class TextEmbedder:
     """texts -> L2-normalized float32 embeddings [N, d], in fixed-shape, length-bucketed batches."""
 
     def __init__(self, encoder: Encoder, mesh: Mesh, tokenizer: Tokenizer, batch_size: int, bucketed: bool = True):
-        n_shards = mesh.shape["data"] * mesh.shape["fsdp"]
-        self.batch_size = -(-batch_size // n_shards) * n_shards    # a multiple of the batch shards
+        self.batch_size = round_to_shards(batch_size, mesh)
         self.tokenizer, self.mesh, self.bucketed = tokenizer, mesh, bucketed
         self._rows = batch_sharding(mesh)
         self.left_padded = getattr(encoder, "padding_side", "right") == "left"
@@ -110,71 +111,34 @@ class TextEmbedder:
         return out
 
 
-EmbedFn = Callable[[list[str]], np.ndarray]
+class CrossAttentionQueryEmbedder:
+    """(instructions, queries) -> iq embeddings [N, d] through the interaction head."""
 
+    def __init__(self, encoder: Encoder, mesh: Mesh, tokenizer: Tokenizer, fmt: TextFormat, batch_size: int):
+        self.batch_size = round_to_shards(batch_size, mesh)
+        self.tokenizer, self.fmt = tokenizer, fmt
 
-def texts_digest(texts: list[str]) -> str:
-    """sha256 over the texts (length-prefixed, so that no two lists collide by concatenation)."""
-    h = hashlib.sha256()
-    for t in texts:
-        b = t.encode("utf-8")
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.hexdigest()
+        def embed(params, i_ids, i_mask, q_ids, q_mask):
+            qp = query_params(params)
+            i_vec = encoder(qp, i_ids, i_mask)
+            return interaction.iq_embeddings(params["interaction"], i_vec, encoder.hidden(qp, q_ids, q_mask), q_mask)
 
+        self._rows = batch_sharding(mesh)
+        # Inputs come as global arrays (params as the caller holds them, rows through `put`): no in_shardings.
+        self._fn = jax.jit(embed, out_shardings=replicated(mesh))
 
-def all_processes(flag: bool) -> bool:
-    """True when `flag` holds on every process (a collective: every process must call it)."""
-    if jax.process_count() == 1:
-        return flag
-    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
-
-
-class EmbeddingCache:
-    """On-disk embeddings keyed by (model, step, dataset, side, texts hash): DIR/<key>.npy plus DIR/<key>.json.
-
-    The texts are the encoder's final input (template and prefixes applied),
-    so a change of template, prefix or text gives a new key; `model` should
-    name everything else that changes the embeddings (weights, pooling,
-    max length).
-
-    With several processes the encoder is a collective, so they must agree on
-    hit or miss: an entry counts as a hit only when every process can read
-    it (a cache folder that is not shared gives misses, never a hang); only
-    process 0 writes entries.
-    """
-
-    def __init__(self, directory: str):
-        self.directory = directory
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK):
-            raise PermissionError(f"--cache_dir={directory} is not writable")
-
-    @staticmethod
-    def key(model: str, step: int | None, dataset: str, side: str, texts: list[str]) -> tuple[str, dict]:
-        meta = {"model": model, "step": step, "dataset": dataset, "side": side,
-                "num_texts": len(texts), "texts_sha256": texts_digest(texts)}
-        return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32], meta
-
-    def wrap(self, embed: EmbedFn, model: str, step: int | None, dataset: str, side: str) -> EmbedFn:
-        """`embed` with a read-through cache."""
-
-        def cached(texts: list[str]) -> np.ndarray:
-            key, meta = self.key(model, step, dataset, side, list(texts))
-            path = os.path.join(self.directory, key + ".npy")
-            emb = np.load(path) if os.path.isfile(path) else None
-            if all_processes(emb is not None and emb.shape[0] == len(texts)):
-                log.info("embedding cache hit: %s %s (%d texts) %s", dataset, side, len(texts), path)
-                return emb
-            emb = np.asarray(embed(texts), np.float32)
-            if jax.process_index() != 0:
-                return emb
-            tmp = path + f".tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
-                np.save(f, emb)
-            os.replace(tmp, path)                                  # atomic: never a half-written entry
-            with open(os.path.join(self.directory, key + ".json"), "w", encoding="utf-8") as f:
-                json.dump(meta, f, indent=1)
-            return emb
-
-        return cached
+    def __call__(self, params, instructions: list[str], queries: list[str], max_len: int) -> np.ndarray:
+        if len(instructions) != len(queries):
+            raise ValueError(f"{len(instructions)} instructions but {len(queries)} queries")
+        out = []
+        for start in range(0, len(queries), self.batch_size):
+            ins = [self.fmt.alone(t) for t in instructions[start:start + self.batch_size]]
+            qs = [self.fmt.alone(t) for t in queries[start:start + self.batch_size]]
+            n = len(qs)
+            pad = [""] * (self.batch_size - n)
+            i_ids, i_mask = self.tokenizer(ins + pad, max_len)
+            q_ids, q_mask = self.tokenizer(qs + pad, max_len)
+            q_mask[n:, 0] = 1                      # padding rows: one attended token, no NaN
+            inputs = put((i_ids, i_mask, q_ids, q_mask), self._rows)   # each process: its devices' rows
+            out.append(np.asarray(self._fn(params, *inputs))[:n])
+        return np.concatenate(out) if out else np.zeros((0, 0), np.float32)

@@ -1,0 +1,1 @@
+"""Evaluation: datasets (FollowIR, MAIR, BRIGHT, BEIR, synthetic), metrics, scoring tasks, output files."""

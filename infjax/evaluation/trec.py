@@ -1,0 +1,49 @@
+"""Evaluation outputs: TREC run files and the --out folder (summary, meta, per-query scores, runs)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+Run = dict[str, dict[str, float]]
+
+
+def write_trec_run(path: str, run: Run, tag: str) -> None:
+    """TREC format `qid Q0 docid rank score tag`, ranked by score then doc id (as metrics.ranks)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for q in sorted(run):
+            for rank, (d, s) in enumerate(sorted(run[q].items(), key=lambda x: (-x[1], x[0])), 1):
+                f.write(f"{q} Q0 {d} {rank} {s:.6f} {tag}\n")
+
+
+def read_trec_run(path: str) -> Run:
+    run: Run = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            q, _, d, _, s, _ = line.split()
+            run.setdefault(q, {})[d] = float(s)
+    return run
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "split"
+
+
+def write_outputs(out: str, summary: dict, meta: dict, results: list[dict]) -> None:
+    """summary.json, meta.json, per_query.json and the TREC runs of `results` (evaluation.tasks) in `out`."""
+    os.makedirs(out, exist_ok=True)
+    if not os.access(out, os.W_OK):
+        raise PermissionError(f"--out={out} is not writable")
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    several = len(results) > 1
+    per_query = {r["name"]: r["per_query"] for r in results} if several else results[0]["per_query"]
+    with open(os.path.join(out, "per_query.json"), "w", encoding="utf-8") as f:
+        json.dump(per_query, f, indent=1, sort_keys=True)
+    tag = _slug(os.path.basename(os.path.normpath(meta["model"])))[-40:] or "infjax"
+    for r in results:
+        for label, run in r["runs"].items():
+            parts = ["run"] + ([_slug(r["name"])] if several else []) + ([label] if label else []) + ["trec"]
+            write_trec_run(os.path.join(out, ".".join(parts)), run, tag)

@@ -1,0 +1,94 @@
+"""An on-disk embedding cache, safe with several processes."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from infjax.inference.embedders import EmbedFn, PairEmbedFn
+
+log = logging.getLogger("infjax.inference")
+
+
+def texts_digest(texts: list[str]) -> str:
+    """sha256 over the texts (length-prefixed, so that no two lists collide by concatenation)."""
+    h = hashlib.sha256()
+    for t in texts:
+        b = t.encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def all_processes(flag: bool) -> bool:
+    """True when `flag` holds on every process (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.all(multihost_utils.process_allgather(np.int32(flag))))
+
+
+class EmbeddingCache:
+    """On-disk embeddings keyed by (model, step, dataset, side, texts hash): DIR/<key>.npy plus DIR/<key>.json.
+
+    The texts are the encoder's final input (template and prefixes applied),
+    so a change of template, prefix or text gives a new key; `model` should
+    name everything else that changes the embeddings (weights, pooling,
+    max length).
+
+    With several processes the encoder is a collective, so they must agree on
+    hit or miss: an entry counts as a hit only when every process can read
+    it (a cache folder that is not shared gives misses, never a hang); only
+    process 0 writes entries.
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        if not os.access(directory, os.W_OK):
+            raise PermissionError(f"--cache_dir={directory} is not writable")
+
+    @staticmethod
+    def key(model: str, step: int | None, dataset: str, side: str, texts: list[str]) -> tuple[str, dict]:
+        meta = {"model": model, "step": step, "dataset": dataset, "side": side,
+                "num_texts": len(texts), "texts_sha256": texts_digest(texts)}
+        return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:32], meta
+
+    def _read_through(self, compute, key_texts: list[str], rows: int, model: str, step: int | None,
+                      dataset: str, side: str) -> np.ndarray:
+        """The cached [rows, d] embeddings keyed by `key_texts`, else `compute()` (then stored)."""
+        key, meta = self.key(model, step, dataset, side, key_texts)
+        path = os.path.join(self.directory, key + ".npy")
+        emb = np.load(path) if os.path.isfile(path) else None
+        if all_processes(emb is not None and emb.shape[0] == rows):
+            log.info("embedding cache hit: %s %s (%d texts) %s", dataset, side, rows, path)
+            return emb
+        emb = np.asarray(compute(), np.float32)
+        if jax.process_index() != 0:
+            return emb
+        tmp = path + f".tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            np.save(f, emb)
+        os.replace(tmp, path)                                  # atomic: never a half-written entry
+        with open(os.path.join(self.directory, key + ".json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        return emb
+
+    def wrap(self, embed: EmbedFn, model: str, step: int | None, dataset: str, side: str) -> EmbedFn:
+        """`embed` (texts -> embeddings) with a read-through cache keyed by the texts."""
+        return lambda texts: self._read_through(lambda: embed(texts), list(texts), len(texts), model, step,
+                                                dataset, side)
+
+    def wrap_pairs(self, embed_pairs: PairEmbedFn, model: str, step: int | None, dataset: str,
+                   side: str = "query-pairs") -> PairEmbedFn:
+        """`embed_pairs` ((instructions, queries) -> embeddings, Interaction II) with a read-through cache
+        keyed by the interleaved pairs (each text length-prefixed by texts_digest, so no two lists collide)."""
+        def cached(instructions: list[str], queries: list[str]) -> np.ndarray:
+            interleaved = [t for pair in zip(instructions, queries) for t in pair]
+            return self._read_through(lambda: embed_pairs(instructions, queries), interleaved, len(queries),
+                                      model, step, dataset, side)
+        return cached

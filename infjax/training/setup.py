@@ -1,0 +1,78 @@
+"""What a run is made of, built from its config: records, objective, batches, optimizer, compiled step.
+
+`infjax.train`, the benchmarks and the tests build a run through these
+functions, so that a benchmark measures, and a test checks, exactly the step
+that trains.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from infjax import losses
+from infjax.data import batches, synthetic
+from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
+from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.models.encoder import Encoder
+from infjax.training import step as step_lib
+
+FIELD_MAPS = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}
+
+
+def load_training_records(data_config) -> list[dict]:
+    """InF-IR records from `config.data`: the synthetic corpus, a hub id or local files."""
+    if data_config.source == "synthetic":
+        s = data_config.synthetic
+        return synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
+    records = []
+    for split in [s.strip() for s in data_config.splits.split(",") if s.strip()]:
+        try:
+            records += load_inf_ir(data_config.source, split, field_map=FIELD_MAPS[data_config.field_map],
+                                   on_bad_row=data_config.on_bad_row, limit=data_config.limit or None)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"config.data.source={data_config.source!r}: {e}") from e
+    return records
+
+
+def make_objective(config) -> losses.Objective:
+    """The paper's objective named by `config.objective` (or the reference code's reading of the name)."""
+    if config.loss.convention == "reference":
+        return losses.reference_objective(config.objective, config.loss.temperature)
+    return losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchSetup:
+    """How text becomes the batches of a run."""
+
+    tokenizer: Tokenizer
+    fmt: TextFormat                   # query template and prefixes
+    plan: batches.BatchPlan           # records of each step (a pure function of seed and step)
+    build: batches.BatchBuilder       # step -> this process's slice of the global batch (see data/batches.py)
+
+
+def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: str,
+                     objective: losses.Objective) -> BatchSetup:
+    tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
+    fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    cross = config.model.interaction == "cross_attention"
+    sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+               if objective.needs_instruction_negatives and not cross else None)
+    build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
+                                 config.data.passage_max_len, config.data.hard_negatives, sampler,
+                                 jax.process_index(), jax.process_count(), config.model.interaction)
+    return BatchSetup(tokenizer, fmt, plan, build)
+
+
+def total_steps(config, plan: batches.BatchPlan) -> int:
+    """`train.steps`, or `train.epochs` over the data when it is 0."""
+    return config.train.steps or config.train.epochs * plan.steps_per_epoch
+
+
+def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding):
+    """The jitted train step (explicit shardings, donated state), with gradient caching per config."""
+    return step_lib.jit_train_step(
+        step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout,
+                                 config.train.chunk_size, mesh), mesh, state_sharding)

@@ -1,0 +1,149 @@
+"""The package's layers import one way, with no cycles, and without hidden function-local imports.
+
+Layers, lowest first (a module may import its own package and any lower layer, nothing else):
+
+    data, models, losses      what a batch is, what the networks are, what the loss is (independent)
+    training                  mesh, partitioning, state, embed, step, gradcache, setup, checkpoints
+    inference                 embedders, embedding cache, exact search, model sources
+    evaluation                datasets, metrics, scoring tasks, TREC files, MTEB adapter
+    config                    defaults, presets, validation (checks values of any lower layer)
+    entry points              train, evaluate, export, bench, benchmarks/ (nothing imports them)
+"""
+import ast
+import os
+
+import pytest
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infjax")
+
+LAYERS = {"data": 0, "models": 0, "losses": 0, "training": 1, "inference": 2, "evaluation": 3, "config": 4,
+          "train": 5, "evaluate": 5, "export": 5, "bench": 5, "benchmarks": 5}
+ENTRY_POINTS = {"train", "evaluate", "export", "bench", "benchmarks"}
+
+
+def modules_of(package_dir: str) -> dict[str, str]:
+    """{dotted module name: file path} of every module under `package_dir` (named infjax)."""
+    out = {}
+    for folder, _, files in os.walk(package_dir):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), os.path.dirname(package_dir))
+                out[rel[:-3].replace(os.sep, ".").removesuffix(".__init__")] = os.path.join(folder, f)
+    return out
+
+
+def imports_of(path: str, modules: dict[str, str]) -> list[tuple[str, int, bool, str]]:
+    """(imported infjax module, line, inside a function?, the line) for each infjax import in `path`.
+
+    `from infjax.x import y` counts as importing infjax.x.y when that is a module, else infjax.x.
+    """
+    source = open(path, encoding="utf-8").read()
+    lines = source.splitlines()
+    found = []
+
+    def resolve(name):
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            names = []
+            if isinstance(child, ast.Import):
+                names = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                names = [f"{child.module}.{a.name}" for a in child.names]
+            for n in names:
+                target = resolve(n) if n.split(".")[0] == "infjax" else None
+                if target and target != "infjax":
+                    found.append((target, child.lineno, in_function, lines[child.lineno - 1]))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def layer_of(module: str) -> str:
+    name = module.split(".")[1]
+    return "benchmarks" if name == "bench" else name        # `python -m infjax.bench` is benchmarks/' command line
+
+
+def upward_imports(modules: dict[str, str]) -> list[str]:
+    bad = []
+    for module, path in modules.items():
+        if module == "infjax":
+            continue
+        src = layer_of(module)
+        for target, line, _, _ in imports_of(path, modules):
+            dst = layer_of(target)
+            if dst == src:
+                continue
+            if dst in ENTRY_POINTS:
+                bad.append(f"{path}:{line}: {module} imports the entry point {target}")
+            elif LAYERS[dst] >= LAYERS[src]:
+                bad.append(f"{path}:{line}: {module} ({src}) imports {target} ({dst}), not a lower layer")
+    return bad
+
+
+def import_cycles(modules: dict[str, str]) -> list[list[str]]:
+    graph = {m: sorted({t for t, *_ in imports_of(p, modules) if t != m}) for m, p in modules.items()}
+    state, cycles = {}, []
+
+    def dfs(node, stack):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == "open":
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                dfs(nxt, stack)
+        stack.pop()
+        state[node] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            dfs(m, [])
+    return cycles
+
+
+MODULES = modules_of(PACKAGE)
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = sorted(m for m in MODULES if m != "infjax" and layer_of(m) not in LAYERS)
+    assert not unknown, f"modules outside the layers listed in {__file__}: {unknown}"
+
+
+def test_imports_flow_down_the_layers():
+    bad = upward_imports(MODULES)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(MODULES)
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_function_local_imports_of_infjax_say_why():
+    """An infjax import inside a function hides a dependency; allowed only with a comment saying why."""
+    bad = [f"{path}:{line}: {text.strip()}" for path in MODULES.values()
+           for _, line, local, text in imports_of(path, MODULES) if local and "#" not in text]
+    assert not bad, "function-local imports of infjax modules without a reason:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("planted", ["upward", "entry point", "cycle"])
+def test_the_checks_catch_a_planted_violation(tmp_path, planted):
+    """The checks can fail: an upward import, an import of an entry point and a cycle are each reported."""
+    pkg = tmp_path / "infjax"
+    for sub in ("models", "training"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train.py").write_text("")
+    (pkg / "training" / "step.py").write_text("from infjax.models import net\n")
+    (pkg / "models" / "other.py").write_text("from infjax.models import net\n")
+    (pkg / "models" / "net.py").write_text({"upward": "from infjax.training import step\n",
+                                           "entry point": "import infjax.train\n",
+                                           "cycle": "from infjax.models.other import x\n"}[planted])
+    modules = modules_of(str(pkg))
+    assert upward_imports(modules) if planted != "cycle" else import_cycles(modules)
