@@ -199,8 +199,7 @@ def run(config, workdir: str) -> TrainResult:
 
     try:
         state, losses_seen, preempted = train_loop(config, state, train_step, setup, mesh, ckpts, start, steps,
-                                                   MetricsWriter(workdir), lambda st: evaluator(st, specs),
-                                                   config_json)
+                                                   MetricsWriter(workdir), specs, evaluator, config_json)
     finally:
         ckpts.close()      # waits for asynchronous saves
     if preempted:
@@ -219,13 +218,12 @@ def run(config, workdir: str) -> TrainResult:
 
 
 def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int, writer: MetricsWriter,
-               evaluate_sets, config_json: dict):
-    """Steps start..steps-1: log every log_every, evaluate eval.sets, checkpoint, stop on a signal.
+               specs: list[str], evaluator: Evaluator, config_json: dict):
+    """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets), checkpoint, stop on a signal.
 
     Returns (state, [(step, loss)] of the logged steps, the stopping signal's name or None).
     """
     plan, build = setup.plan, setup.build
-    specs = config_lib.eval_specs(config)
     losses_seen, preempted = [], None
     t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
     progress = _progress(range(start, steps), start, steps)
@@ -260,7 +258,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}")
             if specs and (done == steps or (config.eval.every and done % config.eval.every == 0)):
-                scores = evaluate_sets(state)
+                scores = evaluator(state, specs)
                 log.info("eval at step %d: %s", done, "  ".join(
                     f"{spec} {v['main']:.4f}" for spec, v in scores.items()))
                 writer.write({"step": done, "eval": scores})
