@@ -63,6 +63,7 @@ def test_initialize_is_a_no_op_for_a_single_process():
     assert info["process_count"] == 1 and info["global_devices"] == jax.device_count()
 
 
+@pytest.mark.slow        # ~5 min on 2 cores (two trainings, three evaluations); CI runs the slow tests
 def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
     """The README's multi-host rehearsal with the default config: exit 0 on both processes, the same
     eval.json, losses and parameters as one process on 8 devices; then `infjax.evaluate` of that run
