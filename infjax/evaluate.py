@@ -162,6 +162,9 @@ def run_evaluation(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 on a user error, with the message on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Importing orbax (through inference.sources) may already have given the root logger absl's handler,
+    # which makes basicConfig a no-op: set infjax's own level so its INFO lines (cache hits, start-up) show.
+    logging.getLogger("infjax").setLevel(logging.INFO)
     for noisy in ("jax", "absl", "httpx", "sentence_transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
