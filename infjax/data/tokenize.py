@@ -62,5 +62,16 @@ class Tokenizer:
                         return_tensors="np")
         return out["input_ids"].astype(np.int32), out["attention_mask"].astype(np.int32)
 
+    @property
+    def pad_id(self) -> int:
+        return int(self._tok.pad_token_id)
+
+    def tokens(self, texts: list[str], max_len: int) -> list[np.ndarray]:
+        """Token ids of each text without padding, cut at max_len exactly as `__call__` cuts them."""
+        if not texts:
+            return []
+        out = self._tok(list(texts), truncation=True, max_length=max_len)["input_ids"]
+        return [np.asarray(ids, np.int32) for ids in out]
+
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -35,6 +35,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from infjax.models import layers as L
+from infjax.models.attention import attention, segment_positions
 
 # Keys a Hugging Face BERT config.json must carry (everything else has the
 # same default as transformers.BertConfig).
@@ -130,7 +131,7 @@ class BertEmbeddings(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, input_ids, token_type_ids, deterministic: bool):
+    def __call__(self, input_ids, token_type_ids, positions, deterministic: bool):
         cfg = self.config
         seq_len = input_ids.shape[-1]
         if seq_len > cfg.max_position_embeddings:
@@ -146,7 +147,6 @@ class BertEmbeddings(nn.Module):
                 dtype=self.dtype, param_dtype=self.param_dtype, name=name,
             )
 
-        positions = jnp.arange(seq_len)[None, :]
         x = (
             embed("word_embeddings", cfg.vocab_size)(input_ids)
             + embed("position_embeddings", cfg.max_position_embeddings)(positions)
@@ -170,7 +170,7 @@ class BertSelfAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, key_mask):
+    def __call__(self, x, segment_ids):
         cfg = self.config
         b, t, _ = x.shape
         kw = dict(use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -179,8 +179,7 @@ class BertSelfAttention(nn.Module):
             for name in ("query", "key", "value")
         )
         drop = cfg.attention_probs_dropout_prob
-        ctx = L.self_attention(q, k, v, key_mask,
-                               dropout=None if self.deterministic or drop == 0.0 else nn.Dropout(drop))
+        ctx = attention(q, k, v, segment_ids, dropout=None if self.deterministic or drop == 0.0 else nn.Dropout(drop))
         return L.dense(cfg.hidden_size, "output", **kw)(ctx.reshape(b, t, cfg.hidden_size))
 
 
@@ -193,7 +192,7 @@ class BertLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, key_mask):
+    def __call__(self, x, segment_ids):
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
@@ -203,7 +202,7 @@ class BertLayer(nn.Module):
         def dropout(h):
             return nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=self.deterministic)
 
-        attn = BertSelfAttention(cfg, self.deterministic, name="attention", **kw)(x, key_mask)
+        attn = BertSelfAttention(cfg, self.deterministic, name="attention", **kw)(x, segment_ids)
         x = layer_norm("attention_LayerNorm")(x + dropout(attn))
         h = L.dense(cfg.intermediate_size, "intermediate", use_bias=True, **kw)(x)
         h = L.dense(cfg.hidden_size, "output", use_bias=True, **kw)(L.activation(cfg.hidden_act)(h))
@@ -221,6 +220,10 @@ class BertModel(nn.Module):
         (gradient checkpointing); does not change the parameter tree.
       scan_layers: run the layers with ``nn.scan`` (parameters stacked under
         ``layers`` with a leading layer axis).
+
+    ``attention_mask`` [B, L] holds segment ids: a padding mask (1 real, 0
+    padding) or a packed row (1, 2, ... one per text, 0 on the tail); each
+    text attends only to itself and its positions start at 0.
     """
 
     config: BertConfig
@@ -237,8 +240,9 @@ class BertModel(nn.Module):
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = BertEmbeddings(cfg, name="embeddings", **kw)(input_ids, token_type_ids, deterministic)
+        x = BertEmbeddings(cfg, name="embeddings", **kw)(input_ids, token_type_ids, segment_positions(attention_mask),
+                                                         deterministic)
         layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
         return L.run_layers(BertLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
-                            (L.key_padding_mask(attention_mask),), first=0,
+                            (attention_mask,), first=0,
                             remat=self.remat, scan=self.scan_layers)

@@ -8,8 +8,8 @@ Qwen2 has biases on the q/k/v projections (``qkv_bias``); Llama 3.2 uses the
 matter to an encoder: the head is not part of this module.
 
 Attention is causal plus a key-padding mask; inputs are left-padded and
-position ids come from the mask (``cumsum(mask) - 1``), so a left-padded
-sequence gets the same hidden states as the unpadded one. Parameters::
+position ids count from 0 at each text's first token, so a left-padded or
+packed sequence gets the same hidden states as the unpadded one. Parameters::
 
     embed_tokens/embedding                              [V, H]
     layer_{i}/input_layernorm/scale                     [H]
@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.models import layers as L
+from infjax.models.attention import attention, segment_positions
 
 MODEL_TYPES = ("llama", "qwen2")
 # HF class of the bare model (what an export's config.json names as architecture).
@@ -125,7 +126,7 @@ class DecoderAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, segment_ids):
         cfg = self.config
         b, t, _ = x.shape
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -136,7 +137,7 @@ class DecoderAttention(nn.Module):
         k = L.apply_rope(k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
         drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
-        ctx = L.self_attention(q, k, v, mask, is_causal=True, dropout=drop)
+        ctx = attention(q, k, v, segment_ids, causal=True, dropout=drop)
         return L.dense(cfg.hidden_size, "o_proj", use_bias=False, **kw)(ctx.reshape(b, t, -1))
 
 
@@ -149,18 +150,13 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, segment_ids):
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = L.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x)
-        x = x + DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, mask)
+        x = x + DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, segment_ids)
         h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
         return x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
-
-
-def positions_from_mask(attention_mask: jax.Array) -> jax.Array:
-    """Position ids ``cumsum(mask) - 1`` (0 on left padding): real tokens count from 0."""
-    return jnp.maximum(jnp.cumsum(attention_mask > 0, axis=-1) - 1, 0).astype(jnp.int32)
 
 
 class DecoderModel(nn.Module):
@@ -171,6 +167,9 @@ class DecoderModel(nn.Module):
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
       remat: recompute each block's activations in the backward pass.
       scan_layers: run the blocks with ``nn.scan`` (parameters stacked under ``layers``).
+
+    ``attention_mask`` [B, L] holds segment ids: a (left) padding mask, or 1, 2, ... per packed
+    text; attention is causal inside a segment and positions restart at 0 in each.
     """
 
     config: DecoderConfig
@@ -185,12 +184,12 @@ class DecoderModel(nn.Module):
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         if position_ids is None:
-            position_ids = positions_from_mask(attention_mask)
+            position_ids = segment_positions(attention_mask)
         x = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
                      dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")(input_ids)
         cos, sin = L.rope_cos_sin(position_ids, L.rope_inv_freq(cfg.head_dim, cfg.rope))
         layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype)
         x = L.run_layers(DecoderLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
-                         (cos, sin, L.key_padding_mask(attention_mask)), first=0,
+                         (cos, sin, attention_mask), first=0,
                          remat=self.remat, scan=self.scan_layers)
         return L.RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)

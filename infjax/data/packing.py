@@ -1,0 +1,128 @@
+"""Sequence packing: texts of one encoder input, without padding, in fixed-shape rows.
+
+Each batch shard (one device's slice of the batch) packs its own texts into
+``rows`` rows of ``length`` tokens, first-fit by decreasing length. The packed
+input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
+
+    ids    [S, rows, length]   token ids (the tokenizer's pad id on the unused tail)
+    mask   [S, rows, length]   segment ids: 1, 2, ... one per text of the row, 0 on the tail
+    text   [S, rows, length]   which of the shard's n texts a token belongs to (n on the tail)
+    first  [S, n]              flat index (row * length + column) of each text's first token
+    last   [S, n]              ... and of its last token
+
+``text``, ``first`` and ``last`` are in the shard's text order, so pooling
+(models.pooling.pool_packed) returns the embeddings in the original row order
+whatever the placement. A padded batch is the special case of one text per
+row (see :func:`pad_as_packed`). Nothing is ever dropped: a shard whose texts
+do not fit raises :class:`PackingOverflow`, which names what to raise.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+KEYS = ("ids", "mask", "text", "first", "last")
+
+
+class PackingOverflow(ValueError):
+    """The texts of a shard do not fit its fixed packing capacity."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """Fixed shape of one encoder input's packed buffers per batch shard."""
+
+    rows: int
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.length
+
+
+def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
+    """Rows of text indices, first-fit by decreasing length (ties: lower index first); each row sums to <= length."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        if lengths[i] > length:
+            raise PackingOverflow(f"a text of {lengths[i]} tokens does not fit a pack length of {length}")
+        for r, room in enumerate(free):
+            if lengths[i] <= room:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(length - lengths[i])
+    return rows
+
+
+def rows_needed(lengths: Sequence[int], length: int) -> int:
+    return len(first_fit(lengths, length))
+
+
+def pack_shard(tokens: Sequence[np.ndarray], capacity: Capacity, pad_id: int, what: str = "texts") -> dict:
+    """One shard's texts (token arrays, already cut to their max length) -> packed arrays without the S axis."""
+    lengths = [len(t) for t in tokens]
+    placement = first_fit(lengths, capacity.length)
+    if len(placement) > capacity.rows:
+        raise PackingOverflow(f"{what}: {len(tokens)} texts ({sum(lengths)} tokens) need {len(placement)} packed rows "
+                              f"of {capacity.length} tokens but the capacity is {capacity.rows} rows")
+    n = len(tokens)
+    ids = np.full((capacity.rows, capacity.length), pad_id, np.int32)
+    mask = np.zeros((capacity.rows, capacity.length), np.int32)
+    text = np.full((capacity.rows, capacity.length), n, np.int32)
+    first, last = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for r, members in enumerate(placement):
+        col = 0
+        for seg, i in enumerate(sorted(members), start=1):     # original order inside a row
+            span = slice(col, col + lengths[i])
+            ids[r, span], mask[r, span], text[r, span] = tokens[i], seg, i
+            first[i], last[i] = r * capacity.length + col, r * capacity.length + col + lengths[i] - 1
+            col += lengths[i]
+    return {"ids": ids, "mask": mask, "text": text, "first": first, "last": last}
+
+
+def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: int, what: str = "texts") -> dict:
+    """Texts in row order -> packed arrays [S, ...]; shard s gets texts s*n .. (s+1)*n - 1 (n = len / S)."""
+    if len(tokens) % shards:
+        raise ValueError(f"{what}: {len(tokens)} texts do not split over {shards} batch shards")
+    n = len(tokens) // shards
+    parts = [pack_shard(tokens[s * n:(s + 1) * n], capacity, pad_id, f"{what}, shard {s}") for s in range(shards)]
+    return {k: np.stack([p[k] for p in parts]) for k in KEYS}
+
+
+def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int) -> Capacity:
+    """The smallest capacity that holds every batch listed (texts in row order, split over `shards`)."""
+    rows = 1
+    for lengths in lengths_per_batch:
+        n = len(lengths) // shards
+        for s in range(shards):
+            rows = max(rows, rows_needed(lengths[s * n:(s + 1) * n], length))
+    return Capacity(rows, length)
+
+
+def pad_as_packed(ids: np.ndarray, mask: np.ndarray, shards: int) -> dict:
+    """A padded batch (ids, mask [N, L]; left or right padding) as packed arrays of one text per row."""
+    n_total, length = ids.shape
+    n = n_total // shards
+    real = mask > 0
+    count = real.sum(axis=1)
+    start = np.argmax(real, axis=1)                       # first real token (0 for right padding)
+    local = np.arange(n_total) % n
+    flat_start = local * length + start
+    text = np.where(real, local[:, None], n).astype(np.int32)
+    return {"ids": ids.reshape(shards, n, length).astype(np.int32),
+            "mask": real.astype(np.int32).reshape(shards, n, length),
+            "text": text.reshape(shards, n, length),
+            "first": flat_start.reshape(shards, n).astype(np.int32),
+            "last": (flat_start + np.maximum(count, 1) - 1).reshape(shards, n).astype(np.int32)}
+
+
+def real_share(packed: dict) -> float:
+    """Share of the buffers' tokens that are real text."""
+    return float((packed["mask"] > 0).mean())

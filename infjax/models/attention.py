@@ -1,0 +1,133 @@
+"""The one attention function of every backbone: segment ids, optional causal and local-window masks.
+
+A row of a batch holds one text (padded batches: segment ids are the padding
+mask, 1 on real tokens, 0 on padding) or several (packed batches: 1, 2, ...
+per text, 0 on the unused tail). A token attends to the tokens of its own
+segment only, and additionally
+
+- ``causal``: to those not after it (decoders), and
+- ``window``: to those at most ``window`` positions away (ModernBERT's local
+  layers, where HF's ``sliding_window`` is ``local_attention // 2``).
+
+Segments are contiguous runs of a row, so "positions away" is the index
+distance. A padding token (segment 0) attends to nothing; its output is a
+uniform average (no NaN) that no pooling ever reads.
+
+Implementations (``impl``; "auto" picks by platform):
+
+- ``"xla"``: ``jax.nn.dot_product_attention`` with the boolean mask (GPU, TPU).
+- ``"explicit"``: scores in float32 over [B, N, T, S] in the head-major
+  layout, normalised after the value product. On XLA:CPU this is 2.4x faster
+  than ``"xla"`` at [64, 128] (MiniLM shapes; the einsum layouts of the
+  generic path transpose the scores). Queries are processed in blocks of
+  ``block`` rows under ``jax.checkpoint`` when T is longer, so activation
+  memory grows with T x block, not T x T, in training as in inference.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "explicit")
+BLOCK = 512                  # query rows per block of the explicit path
+
+
+def segment_mask(segment_ids: jax.Array, *, causal: bool = False, window: int | None = None) -> jax.Array:
+    """Boolean mask [B, 1, T, T] (True = attend) of segment ids [B, T]."""
+    seg = segment_ids
+    mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    idx = jnp.arange(seg.shape[1])
+    if causal:
+        mask = mask & (idx[None, :] <= idx[:, None])[None]
+    if window is not None:
+        mask = mask & (jnp.abs(idx[:, None] - idx[None, :]) <= window)[None]
+    return mask[:, None]
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its segment [B, T] int32 (0 at a segment's first token).
+
+    A padded row ``1 1 1 0 0`` gives ``0 1 2 0 1``; a left-padded one
+    ``0 0 1 1 1`` gives ``0 1 0 1 2``; a packed one ``1 1 2 2 2 0`` gives
+    ``0 1 0 1 2 0``. Real tokens always count from 0, as in an unpadded text.
+    """
+    t = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+def resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return "explicit" if jax.default_backend() == "cpu" else "xla"
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,
+              window: int | None = None, dropout: nn.Dropout | None = None, impl: str = "auto",
+              block: int = BLOCK) -> jax.Array:
+    """Scaled dot-product self attention inside segments: q [B, T, N, D], k/v [B, T, K, D] -> [B, T, N, D].
+
+    N must be a multiple of K (grouped-query attention: query head ``n`` uses
+    key/value head ``n // (N // K)``, HF's ``repeat_kv``). ``dropout`` (a
+    training-time module) drops attention probabilities; it always takes the
+    explicit path.
+    """
+    impl = resolve_impl(impl)
+    if impl == "xla" and dropout is None:
+        mask = segment_mask(segment_ids, causal=causal, window=window)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask)
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))      # [B, N, T, D]
+    t = q.shape[1]
+    if t <= block or t % block or dropout is not None:
+        out = _explicit(qh, kh, vh, segment_ids, jnp.arange(t), causal, window, dropout)
+    else:
+        out = _blockwise(qh, kh, vh, segment_ids, causal, window, block)
+    return jnp.swapaxes(out, 1, 2)
+
+
+def _explicit(qh, kh, vh, segment_ids, q_index, causal, window, dropout: Any = None):
+    """Attention of query rows `q_index` (qh [B, N, T', D]) over all keys (kh, vh [B, N, S, D])."""
+    scale = qh.shape[-1] ** -0.5
+    scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
+    q_seg = jnp.take(segment_ids, q_index, axis=1)
+    mask = (q_seg[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    k_index = jnp.arange(kh.shape[2])
+    if causal:
+        mask = mask & (k_index[None, :] <= q_index[:, None])[None]
+    if window is not None:
+        mask = mask & (jnp.abs(q_index[:, None] - k_index[None, :]) <= window)[None]
+    scores = jnp.where(mask[:, None], scores, -1e30)
+    scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    weights = jnp.exp(scores)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    if dropout is not None:
+        probs = dropout((weights / total).astype(qh.dtype), deterministic=False)
+        return jnp.matmul(probs, vh)
+    out = jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total
+    return out.astype(qh.dtype)
+
+
+def _blockwise(qh, kh, vh, segment_ids, causal, window, block):
+    """`_explicit` over query blocks, each rematerialised: activation memory T x block per head."""
+    b, n, t, d = qh.shape
+    blocks = qh.reshape(b, n, t // block, block, d).swapaxes(0, 2)          # [nb, n, b, block, d]
+    starts = jnp.arange(t // block) * block
+
+    @jax.checkpoint
+    def one(xs):
+        q_block, start = xs
+        q_index = start + jnp.arange(block)
+        return _explicit(q_block.swapaxes(0, 1), kh, vh, segment_ids, q_index, causal, window)
+
+    out = jax.lax.map(one, (blocks, starts))                                 # [nb, b, n, block, d]
+    return out.swapaxes(0, 1).swapaxes(1, 2).reshape(b, n, t, d)

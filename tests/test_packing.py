@@ -1,0 +1,112 @@
+"""Sequence packing: the host packer, and packed == padded for every backbone family (outputs and gradients)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from infjax.data import packing
+from infjax.models import attention as A
+from infjax.models.encoder import Encoder
+from infjax.models.registry import FAMILIES
+from tests.test_backbones import VOCAB, tiny_checkpoint
+
+# Lengths of 8 texts (<= 16 tokens each): 2 shards of 4, packed into rows of 24 tokens. ModernBERT's tiny
+# config has a local half window of 4, so packs (and single texts) are longer than the window.
+LENGTHS = (16, 9, 3, 12, 5, 7, 1, 14)
+MAX_LEN, PACK = 16, 24
+
+
+def _tokens(seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB, size=n).astype(np.int32) for n in LENGTHS]
+
+
+def _padded(tokens, side):
+    ids = np.zeros((len(tokens), MAX_LEN), np.int32)
+    mask = np.zeros_like(ids)
+    for i, t in enumerate(tokens):
+        span = slice(MAX_LEN - len(t), None) if side == "left" else slice(0, len(t))
+        ids[i, span], mask[i, span] = t, 1
+    return ids, mask
+
+
+def test_first_fit_places_every_text_once_within_the_length():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        lengths = list(rng.integers(1, 30, size=int(rng.integers(1, 40))))
+        rows = packing.first_fit(lengths, 32)
+        assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in r) <= 32 for r in rows)
+        assert len(rows) >= -(-sum(lengths) // 32)
+
+
+def test_pack_round_trip_and_overflow_names_the_input():
+    tokens = _tokens()
+    capacity = packing.capacity_for([[len(t) for t in tokens]], 2, PACK)
+    out = packing.pack(tokens, 2, capacity, pad_id=0, what="passages")
+    assert out["ids"].shape == (2, capacity.rows, PACK) and out["first"].shape == (2, 4)
+    flat_ids = out["ids"].reshape(2, -1)
+    for i, t in enumerate(tokens):                      # each text is found whole where first/last say
+        s, j = divmod(i, 4)
+        a, b = out["first"][s, j], out["last"][s, j]
+        np.testing.assert_array_equal(flat_ids[s, a:b + 1], t)
+        assert (out["text"].reshape(2, -1)[s, a:b + 1] == j).all()
+    assert out["mask"].max() >= 2                      # several texts share a row
+    assert packing.real_share(out) == sum(LENGTHS) / out["mask"].size
+    with pytest.raises(packing.PackingOverflow, match=r"passages, shard 0: 4 texts .* capacity is 1 rows"):
+        packing.pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
+
+
+def test_segment_positions_restart_in_every_segment():
+    seg = jnp.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 2, 2, 2]])
+    np.testing.assert_array_equal(A.segment_positions(seg), [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 1, 0, 1, 2]])
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 2)])
+@pytest.mark.parametrize("block", [A.BLOCK, 4])
+def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 4, 8)), jnp.float32) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]                       # grouped-query: 4 query heads over 2 kv heads
+    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    ref = A.attention(q, k, v, seg, causal=causal, window=window, impl="xla")
+    out = A.attention(q, k, v, seg, causal=causal, window=window, impl="explicit", block=block)
+    real = np.asarray(seg > 0)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)
+
+
+def _checkpoint(family, tmp_path_factory):
+    if family != "bert":
+        return tiny_checkpoint(family, tmp_path_factory)[0]
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                                           num_attention_heads=4, intermediate_size=48)).eval()
+    folder = str(tmp_path_factory.mktemp("tiny_bert_packing"))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("impl", ["explicit", "xla"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(A, "resolve_impl", lambda _: impl)
+    fam = FAMILIES[family]
+    module, params, _, _ = fam.load(_checkpoint(family, tmp_path_factory))
+    tokens = _tokens()
+    ids, mask = _padded(tokens, fam.padding_side)
+    packed = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    weights = jnp.asarray(np.random.default_rng(2).normal(size=(len(LENGTHS), module.config.hidden_size)),
+                          jnp.float32)
+    for pooling in ("mean", "cls", "last"):
+        encoder = Encoder(module, pooling, fam.padding_side, family)
+        padded_fn = jax.jit(lambda p: encoder(p, ids, mask))
+        packed_fn = jax.jit(lambda p: encoder.packed(p, packed))
+        np.testing.assert_allclose(packed_fn(params), padded_fn(params), atol=1e-5, err_msg=pooling)
+        if pooling == fam.default_pooling:
+            g_pad = jax.grad(lambda p: jnp.sum(encoder(p, ids, mask) * weights))(params)
+            g_pack = jax.grad(lambda p: jnp.sum(encoder.packed(p, packed) * weights))(params)
+            scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_pad))
+            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), g_pack, g_pad)
