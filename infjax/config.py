@@ -89,6 +89,18 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.data.passage_prefix = ""         # e.g. "passage: " for e5
     c.data.query_max_len = 256         # tokens, query side (static shape)
     c.data.passage_max_len = 512       # tokens, passage side (static shape)
+    c.data.packing = True              # pack each batch shard's texts into rows of max_len tokens (segment ids,
+                                       # nothing cut or dropped) instead of padding every text to max_len;
+                                       # gradient caching (train.chunk_size > 0) always pads
+    c.data.pack_rows_query = 0         # packed rows per batch shard for q (and Interaction II i, qo); 0 = the
+                                       # most any step needs, measured on the host before the first step
+    c.data.pack_rows_passage = 0       # ... for passages
+    c.data.pack_rows_negatives = 0     # ... for the instruction negatives (K per row)
+    c.data.pack_length_query = 0       # tokens per packed row, query side (0 = the longest query text of the run
+                                       # rounded up to 64, at most data.query_max_len; with pack_rows_query set:
+                                       # data.query_max_len); longer rows hold more texts (less padding) but
+                                       # each token's attention spans the row
+    c.data.pack_length_passage = 0     # ... passage side
     c.data.synthetic = ml_collections.ConfigDict()
     c.data.synthetic.seed = 0          # generator seed of the synthetic corpus
     c.data.synthetic.num_train = 2000  # training records
@@ -245,6 +257,15 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
             raise ConfigError(f"config.eval.sets={c.eval.sets!r}: {e}") from None
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
     _check(c.train.chunk_size >= 0, "train.chunk_size", c.train.chunk_size, "must be >= 0 (0 = off)")
+    _check(isinstance(c.data.packing, bool), "data.packing", c.data.packing, "must be True or False")
+    for side in ("query", "passage"):
+        length = c.data[f"pack_length_{side}"]
+        _check(isinstance(length, int) and (length == 0 or length >= c.data[f"{side}_max_len"]),
+               f"data.pack_length_{side}", length, f"must be 0 or >= data.{side}_max_len "
+               f"({c.data[f'{side}_max_len']}): a row holds at least one whole text")
+    for key in ("pack_rows_query", "pack_rows_passage", "pack_rows_negatives"):
+        _check(isinstance(c.data[key], int) and c.data[key] >= 0, f"data.{key}", c.data[key],
+               "must be an integer >= 0 (0 = measured over the run)")
     _check(c.train.moments_dtype in ("float32", "bfloat16"), "train.moments_dtype", c.train.moments_dtype,
            "must be float32 or bfloat16")
     sizes = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}

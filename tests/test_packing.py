@@ -73,6 +73,13 @@ def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
     out = A.attention(q, k, v, seg, causal=causal, window=window, impl="explicit", block=block)
     real = np.asarray(seg > 0)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)
+    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * seg[:, :, None, None]    # real rows only
+
+    def grads(impl_):
+        return jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, causal=causal, window=window, impl=impl_,
+                                                        block=block) * weights), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(grads("explicit"), grads("xla")):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def _checkpoint(family, tmp_path_factory):
@@ -110,3 +117,96 @@ def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_fa
             g_pack = jax.grad(lambda p: jnp.sum(encoder.packed(p, packed) * weights))(params)
             scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_pad))
             jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), g_pack, g_pad)
+
+
+@pytest.mark.parametrize("objective,interaction", [("multi_piiq", "concat"), ("multi_piiq", "cross_attention")])
+def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objective, interaction):
+    """The real MiniLM: a packed global batch split over data=8 gives the padded batch's loss and gradients
+    computed on one device (Interaction I with instruction negatives; Interaction II)."""
+    from infjax.models.encoder import load_encoder
+    from infjax.training import embed, mesh as mesh_lib, setup as setup_lib
+    from tests.test_train import small_config
+
+    config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
+                                         "data.query_max_len": 96, "data.passage_max_len": 96})
+    encoder, params, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    obj = setup_lib.make_objective(config)
+    packed_setup = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8)
+    padded_setup = setup_lib.make_batch_setup(config_lib_override(config, {"data.packing": False}), records, encoder,
+                                              path, obj)
+    caps = packed_setup.build.capacities
+    assert packed_setup.build.shards == 8 and set(caps) == ({"i", "qo", "p"} if interaction != "concat"
+                                                            else {"q", "p", "n"})
+    texts = {s: 3 * (2 if s == "n" else 1) for s in caps}                          # 24 rows / 8 shards
+    assert all(c.rows <= texts[s] for s, c in caps.items()) and sum(c.rows for c in caps.values()) < sum(texts.values())
+    value_and_grad = jax.value_and_grad(embed.make_loss_fn(encoder, obj), has_aux=True)
+    mesh = mesh_lib.make_mesh(config.mesh)
+    for step in (0, 2):
+        (ref, _), ref_grads = jax.jit(value_and_grad)(params, padded_setup.build(step), None)
+        batch = mesh_lib.global_batch(packed_setup.build(step), mesh)
+        (loss, _), grads = jax.jit(value_and_grad)(params, batch, None)
+        np.testing.assert_allclose(float(loss), float(ref), rtol=1e-5)
+        scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(ref_grads))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), grads, ref_grads)
+
+
+def config_lib_override(config, values):
+    from infjax import config as config_lib
+
+    return config_lib.override(config, values)
+
+
+def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
+    from infjax.models.encoder import load_encoder
+    from infjax.training import setup as setup_lib
+    from tests.test_train import small_config
+
+    config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96})
+    encoder, _, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    obj = setup_lib.make_objective(config)
+    build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
+    for step in range(config.train.steps):                      # every step fits, and some step fills a side
+        batch = build(step)
+        assert all(batch[s]["mask"].shape[1] == c.rows for s, c in build.capacities.items())
+    tight = config_lib_override(config, {"data.pack_rows_negatives": 1})
+    small = setup_lib.make_batch_setup(tight, records, encoder, path, obj, num_devices=8).build
+    assert small.capacities["n"].rows == 1 and small.capacities["q"] == build.capacities["q"]
+    with pytest.raises(packing.PackingOverflow, match=r"step 0, side 'n'.*raise data.pack_rows_negatives"):
+        small(0)
+
+
+def test_best_fit_rows_places_every_text_once_in_the_smallest_width():
+    rng = np.random.default_rng(3)
+    lengths = list(rng.integers(1, 129, size=300))
+    rows = packing.best_fit_rows(lengths, (32, 64, 128))
+    assert sorted(i for _, r in rows for i in r) == list(range(300))
+    assert all(sum(lengths[i] for i in r) <= w for w, r in rows)
+    for w, r in rows:                           # a row is opened by its longest text, at the smallest width
+        assert w == min(x for x in (32, 64, 128) if x >= max(lengths[i] for i in r))
+    with pytest.raises(packing.PackingOverflow, match="widest row"):
+        packing.best_fit_rows([200], (32, 64, 128))
+
+
+def test_packed_text_embedder_equals_padded_on_8_devices():
+    """Corpus encoding, packed over a data=8 mesh == padded (MiniLM); more texts than one call holds."""
+    from infjax.config import base_config
+    from infjax.data.tokenize import Tokenizer
+    from infjax.inference.embedders import TextEmbedder
+    from infjax.models.encoder import load_encoder
+    from infjax.training.mesh import default_mesh, replicated
+
+    encoder, params, path = load_encoder(base_config("multi_pi").model)
+    mesh = default_mesh()
+    params = jax.device_put(params["shared"], replicated(mesh))
+    rng = np.random.default_rng(0)
+    words = "instruction following retrieval models rank passages by relevance to a query".split()
+    texts = [" ".join(rng.choice(words, size=int(n))) for n in rng.integers(1, 90, size=150)] + [""]
+    tok = Tokenizer(path)
+    packed = TextEmbedder(encoder, mesh, tok, batch_size=8)
+    ref = TextEmbedder(encoder, mesh, tok, batch_size=8, packed=False)(params, texts, 64)
+    out = packed(params, texts, 64)
+    assert len(packed.calls(tok.tokens(texts, 64), 64)) > 3
+    assert packed.stats["real_tokens"] == sum(len(t) for t in tok.tokens(texts, 64))
+    np.testing.assert_allclose(out, ref, atol=1e-5)

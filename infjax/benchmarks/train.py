@@ -3,6 +3,14 @@
     python -m infjax.bench train --config=configs/multi_pi.py --steps=10
     python -m infjax.bench train --config=configs/multi_pi.py:llama-3.2-1b --config.mesh.fsdp=8 --steps=20
     python -m infjax.bench train --config=configs/multi_pi.py --sweep_rows=96,384,1536,3072 --sweep_chunk=96
+    python -m infjax.bench train --config=configs/uni_p.py --data=inf_ir_shaped --vs_torch \
+        --config.data.query_max_len=64 --config.data.passage_max_len=256 --config.train.batch_size=16
+
+--data=inf_ir_shaped replaces the run's records by generated ones with InF-IR's
+lengths (see `inf_ir_shaped_records`); --vs_torch then feeds the same rows of the
+same steps to a plain PyTorch / sentence-transformers loop (in-batch softmax at
+temperature 0.05, AdamW, clipping 1.0, dynamic padding to the batch's longest
+text) in a child process and prints both rows/s, their ratio and both peak memories.
 
 Throughput mode builds the run's sharded state and compiled step exactly as `infjax.train`
 does, tokenizes the batches up front (outside the timing), runs --warmup steps, then times
@@ -26,6 +34,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from infjax import config as config_lib
+from infjax.benchmarks import torch_loop
+from infjax.data import synthetic
 from infjax.models.encoder import load_encoder
 from infjax.training import mesh as mesh_lib, setup as setup_lib, state as state_lib
 
@@ -55,6 +65,9 @@ def _flags(argv):
                         "memory per device with and without gradient caching instead of timing", flag_values=fv)
     flags.DEFINE_integer("sweep_chunk", 96, "train.chunk_size for the gradient-caching column of the sweep",
                          flag_values=fv)
+    flags.DEFINE_enum("data", "config", ["config", "inf_ir_shaped"], "training records: the config's, or "
+                      "generated with InF-IR's text lengths", flag_values=fv)
+    flags.DEFINE_bool("vs_torch", False, "also time a plain PyTorch loop on the same rows (MiniLM)", flag_values=fv)
     fv(["bench train"] + list(argv))
     if fv.config is None:
         raise SystemExit("--config is required, e.g. --config=configs/multi_pi.py")
@@ -64,11 +77,11 @@ def _flags(argv):
 class Setup:
     """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
 
-    def __init__(self, config):
+    def __init__(self, config, records: list[dict] | None = None):
         config_lib.validate(config, jax.device_count(), jax.process_count())
         self.config = config
         self.encoder, params, path = load_encoder(config.model)
-        self.records = setup_lib.load_training_records(config.data)
+        self.records = records if records is not None else setup_lib.load_training_records(config.data)
         self.objective = setup_lib.make_objective(config)
         batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective)
         self.plan, self.build = batch_setup.plan, batch_setup.build
@@ -104,8 +117,37 @@ def peak_bytes(compiled) -> int:
     return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-def throughput(config, steps: int, warmup: int, peak_override: float = 0.0) -> dict:
-    setup = Setup(config)
+def _leaves(batch: dict):
+    """(name, array) of every encoder-input array; packed sides are named like "p/ids"."""
+    for path, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        yield "/".join(str(getattr(k, "key", k)) for k in path), v
+
+
+def inf_ir_shaped_records(n: int, seed: int = 0) -> list[dict]:
+    """n records whose texts have InF-IR msmarco-like lengths in words (~1.3 MiniLM tokens per word).
+
+    query: 4 + Poisson(5) words (~12 tokens); instruction: 12 + Poisson(14) words (~34 tokens), so
+    template(I, Q) is ~45 tokens; passage: lognormal, median 110 words, sigma 0.5 (mean ~125 words,
+    ~165 tokens, a long tail past 256). Words are drawn from the synthetic corpus's vocabulary.
+    """
+    vocab = sorted({w for t in synthetic.TOPICS + synthetic.CONTEXTS + synthetic.QUERY_TEMPLATES
+                    + synthetic.INSTRUCTION_OPENERS for w in str(t).replace("{", " ").replace("}", " ").split()})
+    rng = np.random.default_rng(seed)
+
+    def text(words: int) -> str:
+        return " ".join(rng.choice(vocab, size=max(int(words), 1)))
+
+    def passage() -> str:
+        return text(rng.lognormal(np.log(110), 0.5))
+
+    return [{"query_positive": text(4 + rng.poisson(5)), "query_negative": text(4 + rng.poisson(5)),
+             "instruction_positive": text(12 + rng.poisson(14)), "instruction_negative": text(12 + rng.poisson(14)),
+             "document_positive": passage(), "hard_negative_document_1": passage(),
+             "hard_negative_document_2": passage()} for _ in range(n)]
+
+
+def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, records=None) -> dict:
+    setup = Setup(config, records)
     state, _ = state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,
                                               setup.encoder.module, setup.mesh)
     batches = [setup.batch(i) for i in range(warmup + steps)]
@@ -116,22 +158,25 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0) -> d
     for b in batches[:warmup]:
         state, metrics = compiled(state, b)
     jax.block_until_ready(state)
-    t0 = time.perf_counter()
+    times = []
     for b in batches[warmup:]:
+        t0 = time.perf_counter()
         state, metrics = compiled(state, b)
-    jax.block_until_ready((state, metrics))
-    seconds = (time.perf_counter() - t0) / steps
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    seconds = float(np.median(times))
     rows = setup.build.global_rows
-    padded = sum(int(np.prod(v.shape)) for k, v in batches[0].items() if k.endswith("_ids"))
-    real = int(np.mean([sum(int(np.asarray(jax.device_get(v)).sum()) for k, v in b.items() if k.endswith("_mask"))
-                        for b in batches[warmup:]]))
+    padded = sum(int(np.prod(v.shape)) for k, v in _leaves(batches[0]) if k.endswith("ids"))
+    real = int(np.mean([sum(int((np.asarray(jax.device_get(v)) > 0).sum()) for k, v in _leaves(b)
+                            if k.endswith("mask")) for b in batches[warmup:]]))
     peak = peak_flops(jax.devices()[0], peak_override)
     return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "mesh": dict(setup.mesh.shape),
             "rows_per_step": rows, "compile_s": compile_s, "step_s": seconds, "examples_per_s": rows / seconds,
             "tokens_per_s_padded": padded / seconds, "tokens_per_s_real": real / seconds,
             "flops_per_step_per_device": flops,
             "mfu": (flops / seconds / peak) if peak and flops else None,
-            "peak_memory_per_device_bytes": peak_bytes(compiled)}
+            "peak_memory_per_device_bytes": peak_bytes(compiled), "real_share": real / padded,
+            "step_times": times, "setup": setup}
 
 
 def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
@@ -167,11 +212,27 @@ def main(argv: list[str]) -> None:
             fmt = lambda v: f"{v / 2**20:12.1f}" if isinstance(v, int) else f"{v}"   # noqa: E731
             print(f"{e['rows']:>6}  {fmt(e['plain'])}  {fmt(e['gradcache'])}")
         return
-    r = throughput(config, fv.steps, fv.warmup, fv.peak_flops)
-    print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}; "
-          f"compile {r['compile_s']:.1f} s")
-    print(f"step {r['step_s'] * 1e3:.1f} ms  {r['examples_per_s']:.1f} examples/s  "
-          f"{r['tokens_per_s_padded']:.0f} tokens/s padded ({r['tokens_per_s_real']:.0f} real)")
+    records = inf_ir_shaped_records(max(4 * config.train.batch_size * (fv.warmup + fv.steps), 256)) \
+        if fv.data == "inf_ir_shaped" else None
+    r = throughput(config, fv.steps, fv.warmup, fv.peak_flops, records)
+    print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}, "
+          f"packing {bool(r['setup'].build.capacities)}; compile {r['compile_s']:.1f} s")
+    print(f"step {r['step_s'] * 1e3:.1f} ms (median of {fv.steps})  {r['examples_per_s']:.1f} examples/s  "
+          f"{r['tokens_per_s_padded']:.0f} tokens/s in buffers ({r['tokens_per_s_real']:.0f} real; real share "
+          f"{100 * r['real_share']:.0f}%)")
     mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis); MFU {mfu}; "
-          f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device")
+          f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device (compiled); process max RSS "
+          f"{_max_rss_mib():.0f} MiB")
+    if fv.vs_torch:
+        build = r["setup"].build
+        steps = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(fv.warmup + fv.steps)]
+        t = torch_loop.run_in_child(steps, fv.warmup, config)
+        print(f"pytorch loop (same rows, dynamic padding, {t['threads']} threads): step {t['step_s'] * 1e3:.1f} ms "
+              f"(median of {fv.steps})  {r['rows_per_step'] / t['step_s']:.1f} examples/s  real share "
+              f"{100 * t['real_share']:.0f}%  max RSS {t['max_rss_mib']:.0f} MiB")
+        print(f"ratio infjax / pytorch: {t['step_s'] / r['step_s']:.2f}x")
+
+
+def _max_rss_mib() -> float:
+    return torch_loop.peak_rss_mib()

@@ -4,6 +4,12 @@ The batch at a given step is a pure function of (seed, step): the record
 order of epoch e is a permutation drawn from (seed, e), and the instruction
 negatives of a step are drawn from (seed, step). The data-iterator position
 is therefore just the step, which makes resuming exact.
+
+A batch is padded (each text padded to its side's max length: `q_ids`,
+`q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
+arrays, `{"q": {"ids", "mask", "text", "first", "last"}, ...}`, one packing
+per batch shard, see data/packing.py). Packed buffers have a fixed capacity
+per side, measured once over every step of the run (`measure_capacities`).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from infjax.data import packing
 from infjax.data.inf_ir import flatten_record, flatten_record_no_hard_negatives
 from infjax.data.tokenize import TextFormat, Tokenizer
 
@@ -94,6 +101,10 @@ class BatchBuilder:
     process_index: int = 0
     process_count: int = 1
     interaction: str = "concat"     # concat | cross_attention (instructions and queries encoded apart)
+    capacities: dict[str, packing.Capacity] | None = None   # side -> packed capacity (None: padded batches)
+    shards: int = 1                 # batch shards of this process (packing packs each shard apart)
+    capacity_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (error messages)
+    pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
 
     @property
     def global_rows(self) -> int:
@@ -108,36 +119,80 @@ class BatchBuilder:
         n = self.global_rows // self.process_count
         return slice(self.process_index * n, (self.process_index + 1) * n)
 
-    def __call__(self, step: int) -> dict[str, np.ndarray]:
+    def max_len(self, side: str) -> int:
+        return self.passage_max_len if side == "p" else self.query_max_len
+
+    def pack_length(self, side: str) -> int:
+        return (self.pack_lengths or {}).get("passage" if side == "p" else "query") or self.max_len(side)
+
+    def side_texts(self, step: int, local: bool = True) -> tuple[dict[str, list[str]], np.ndarray | None]:
+        """The encoder inputs of a step as texts: side -> texts in row order (this process's rows, or all
+        with local=False), plus the instruction groups of Interaction II (None under Interaction I).
+
+        Sides: "q" (template(I, Q)), "p" (passages), "n" (the K instruction negatives of each row,
+        row-major) under Interaction I; "i" (instructions), "qo" (queries) and "p" under Interaction II.
+        """
         rows = self.rows(step)
+        sl = self.local_slice() if local else slice(None)
         if self.interaction == "cross_attention":
-            return self._cross_attention_batch(rows)
+            text_ids = {t: i for i, t in enumerate(dict.fromkeys(r[0] for r in rows))}
+            groups = np.array([text_ids[r[0]] for r in rows], np.int32)[sl]
+            rows = rows[sl]
+            return {"i": [self.fmt.alone(i) for i, _, _ in rows], "qo": [self.fmt.alone(q) for _, q, _ in rows],
+                    "p": [self.fmt.passage(p) for _, _, p in rows]}, groups
         negatives = self.sampler.sample(step, [r[0] for r in rows]) if self.sampler and self.sampler.k else None
-        sl = self.local_slice()
         rows = rows[sl]
-        q_ids, q_mask = self.tokenizer([self.fmt.query(i, q) for i, q, _ in rows], self.query_max_len)
-        batch = {"q_ids": q_ids, "q_mask": q_mask, **self._passages(rows)}
+        texts = {"q": [self.fmt.query(i, q) for i, q, _ in rows], "p": [self.fmt.passage(p) for _, _, p in rows]}
         if negatives is not None:
-            negatives = negatives[sl]
-            k = self.sampler.k
-            texts = [self.fmt.query(ins, q) for (_, q, _), negs in zip(rows, negatives) for ins in negs]
-            n_ids, n_mask = self.tokenizer(texts, self.query_max_len)
-            batch["n_ids"] = n_ids.reshape(len(rows), k, -1)
-            batch["n_mask"] = n_mask.reshape(len(rows), k, -1)
+            texts["n"] = [self.fmt.query(ins, q) for (_, q, _), negs in zip(rows, negatives[sl]) for ins in negs]
+        return texts, None
+
+    def __call__(self, step: int) -> dict:
+        texts, groups = self.side_texts(step)
+        if self.capacities is not None:
+            batch = {}
+            for side, t in texts.items():
+                try:
+                    batch[side] = packing.pack(self.tokenizer.tokens(t, self.max_len(side)), self.shards,
+                                               self.capacities[side], self.tokenizer.pad_id,
+                                               f"step {step}, side {side!r}")
+                except packing.PackingOverflow as e:
+                    key = (self.capacity_keys or {}).get(side, "the packing capacity")
+                    raise packing.PackingOverflow(f"{e}; raise {key} (0 = measured over the run)") from None
+        else:
+            batch = {}
+            for side, t in texts.items():
+                ids, mask = self.tokenizer(t, self.max_len(side))
+                if side == "n":
+                    ids, mask = (x.reshape(len(texts["q"]), self.sampler.k, -1) for x in (ids, mask))
+                batch[f"{side}_ids"], batch[f"{side}_mask"] = ids, mask
+        if groups is not None:
+            batch["i_group"] = groups
         return batch
 
-    def _passages(self, rows) -> dict[str, np.ndarray]:
-        p_ids, p_mask = self.tokenizer([self.fmt.passage(p) for _, _, p in rows], self.passage_max_len)
-        return {"p_ids": p_ids, "p_mask": p_mask}
 
-    def _cross_attention_batch(self, rows) -> dict[str, np.ndarray]:
-        """Instructions and queries tokenized apart, plus an id per distinct instruction text of
-        the global batch (rows sharing an instruction are not each other's I-negatives)."""
-        text_ids = {t: i for i, t in enumerate(dict.fromkeys(r[0] for r in rows))}
-        groups = np.array([text_ids[r[0]] for r in rows], np.int32)
-        sl = self.local_slice()
-        rows = rows[sl]
-        i_ids, i_mask = self.tokenizer([self.fmt.alone(i) for i, _, _ in rows], self.query_max_len)
-        qo_ids, qo_mask = self.tokenizer([self.fmt.alone(q) for _, q, _ in rows], self.query_max_len)
-        return {"i_ids": i_ids, "i_mask": i_mask, "qo_ids": qo_ids, "qo_mask": qo_mask, "i_group": groups[sl],
-                **self._passages(rows)}
+
+def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
+    """Per side, the packed capacity (rows x row length per batch shard) that holds every step listed.
+
+    The row length is the side's configured pack length, else the longest text of the side over the
+    steps rounded up to a multiple of 64 (at most max_len: short texts never pay for a long row's
+    attention). Every process measures the global batches, so all agree on the shapes. Texts are
+    tokenized once each.
+    """
+    lengths_of: dict[tuple[str, str], int] = {}
+    per_step: dict[str, list[list[int]]] = {}
+    for step in steps:
+        texts, _ = build.side_texts(step, local=False)
+        for side, batch_texts in texts.items():
+            new = [t for t in dict.fromkeys(batch_texts) if (side, t) not in lengths_of]
+            for t, ids in zip(new, build.tokenizer.tokens(new, build.max_len(side))):
+                lengths_of[(side, t)] = len(ids)
+            per_step.setdefault(side, []).append([lengths_of[(side, t)] for t in batch_texts])
+    out = {}
+    for side, lengths in per_step.items():
+        configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
+        longest = max(max(step) for step in lengths)
+        length = configured or min(build.max_len(side), -(-longest // 64) * 64)
+        out[side] = packing.Capacity(packing.capacity_for(lengths, shards, length).rows, length)
+    return out

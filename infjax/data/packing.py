@@ -126,3 +126,57 @@ def pad_as_packed(ids: np.ndarray, mask: np.ndarray, shards: int) -> dict:
 def real_share(packed: dict) -> float:
     """Share of the buffers' tokens that are real text."""
     return float((packed["mask"] > 0).mean())
+
+
+def best_fit_rows(lengths: Sequence[int], widths: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Rows (width, text indices) holding every text, best fit by decreasing length over rows of mixed widths.
+
+    A text goes into the open row with the least room that still holds it; if none does, it opens a row
+    of the smallest width in `widths` that holds it. Long texts get rows of their own size and short
+    ones fill the gaps, so few tokens are padding and attention spans stay short.
+    """
+    import bisect
+
+    widths = sorted(widths)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    rows: list[tuple[int, list[int]]] = []
+    free: list[tuple[int, int]] = []           # sorted (room, row index) of rows with room left
+    for i in order:
+        n = lengths[i]
+        k = bisect.bisect_left(free, (n, -1))
+        if k < len(free):
+            room, r = free.pop(k)
+        else:
+            width = next((w for w in widths if w >= n), None)
+            if width is None:
+                raise PackingOverflow(f"a text of {n} tokens is longer than the widest row ({widths[-1]})")
+            rows.append((width, []))
+            room, r = width, len(rows) - 1
+        rows[r][1].append(i)
+        if room - n > 0:
+            bisect.insort(free, (room - n, r))
+    return rows
+
+
+def pack_rows(tokens: Sequence[np.ndarray], rows: Sequence[Sequence[int]], shards: int, width: int, texts: int,
+              pad_id: int) -> tuple[dict, np.ndarray]:
+    """Given rows (text indices into `tokens`; len(rows) a multiple of `shards`), the packed arrays [S, ...]
+    with `texts` slots per shard, and owners [S, texts]: the text index in each slot (-1: unused slot)."""
+    per_shard = len(rows) // shards
+    out = {"ids": np.full((shards, per_shard, width), pad_id, np.int32),
+           "mask": np.zeros((shards, per_shard, width), np.int32),
+           "text": np.full((shards, per_shard, width), texts, np.int32),
+           "first": np.zeros((shards, texts), np.int32), "last": np.zeros((shards, texts), np.int32)}
+    owners = np.full((shards, texts), -1, np.int64)
+    for s in range(shards):
+        slot = 0
+        for r in range(per_shard):
+            col = 0
+            for seg, i in enumerate(rows[s * per_shard + r], start=1):
+                n = len(tokens[i])
+                span = slice(col, col + n)
+                out["ids"][s, r, span], out["mask"][s, r, span], out["text"][s, r, span] = tokens[i], seg, slot
+                out["first"][s, slot], out["last"][s, slot] = r * width + col, r * width + col + n - 1
+                owners[s, slot] = i
+                slot, col = slot + 1, col + n
+    return out, owners

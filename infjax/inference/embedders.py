@@ -5,24 +5,30 @@ queries under Interaction I); `CrossAttentionQueryEmbedder` encodes the
 instruction and the query apart and combines them with the interaction head
 (Interaction II), as in training.
 
-Texts are sorted by length and each batch is padded only to the smallest of a
-few static length buckets (powers of two up to max_len) that holds its
-longest text, so short texts cost little and the number of compiled shapes
-stays small. Results come back in the input order.
+Packed (the default): all texts are tokenized first, then placed best fit by
+decreasing length into rows of a few static widths (powers of two from 32 up
+to max_len): a long text opens a row of its own size and short texts fill the
+gaps, so almost no token is padding and attention spans stay short. Each
+encoder call takes a fixed number of rows of one width (about `batch_size` x
+128 tokens), one compiled shape per width. Padded (packed=False): texts sorted
+by length, each batch padded to the smallest bucket that holds its longest
+text. Results come back in the input order either way.
 """
 from __future__ import annotations
 
 import functools
+import time
 from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from infjax.data import packing
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.models import interaction
 from infjax.models.encoder import Encoder, query_params
-from infjax.training.mesh import batch_sharding, put, replicated, round_to_shards
+from infjax.training.mesh import batch_shards, batch_sharding, put, replicated, round_to_shards
 
 EmbedFn = Callable[[list[str]], np.ndarray]                    # texts -> L2-normalized embeddings [N, d]
 PairEmbedFn = Callable[[list[str], list[str]], np.ndarray]     # (instructions, queries) -> iq embeddings
@@ -48,18 +54,31 @@ def _jitted_encoder(encoder: Encoder, mesh: Mesh):
     return jax.jit(encoder, out_shardings=replicated(mesh))
 
 
+@functools.lru_cache(maxsize=8)
+def _jitted_packed(encoder: Encoder, mesh: Mesh):
+    """`_jitted_encoder` for packed inputs (data.packing layout; [S, ...] split over the batch shards)."""
+    return jax.jit(encoder.packed, out_shardings=replicated(mesh))
+
+
+TOKENS_PER_CALL = 128          # x batch_size: tokens of one packed encoder call
+
+
 class TextEmbedder:
     """texts -> L2-normalized float32 embeddings [N, d], in fixed-shape, length-bucketed batches."""
 
-    def __init__(self, encoder: Encoder, mesh: Mesh, tokenizer: Tokenizer, batch_size: int, bucketed: bool = True):
+    def __init__(self, encoder: Encoder, mesh: Mesh, tokenizer: Tokenizer, batch_size: int, bucketed: bool = True,
+                 packed: bool = True):
         self.batch_size = round_to_shards(batch_size, mesh)
-        self.tokenizer, self.mesh, self.bucketed = tokenizer, mesh, bucketed
+        self.tokenizer, self.mesh, self.bucketed, self.packed = tokenizer, mesh, bucketed, packed
+        self.shards = batch_shards(mesh)
+        self.stats = {"real_tokens": 0, "buffer_tokens": 0, "host_s": 0.0}
         self._rows = batch_sharding(mesh)
         self.left_padded = getattr(encoder, "padding_side", "right") == "left"
         try:
-            self._fn = _jitted_encoder(encoder, mesh)
+            self._fn, self._packed_fn = _jitted_encoder(encoder, mesh), _jitted_packed(encoder, mesh)
         except TypeError:                                          # an unhashable encoder: no sharing
             self._fn = _jitted_encoder.__wrapped__(encoder, mesh)
+            self._packed_fn = _jitted_packed.__wrapped__(encoder, mesh)
 
     def _trim(self, ids: np.ndarray, mask: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
         """Cut a batch padded to max_len down to the smallest bucket that holds its longest text."""
@@ -75,6 +94,8 @@ class TextEmbedder:
         texts = list(texts)
         if not texts:
             return np.zeros((0, 0), np.float32)
+        if self.packed:
+            return self._packed_call(params, texts, max_len, progress)
         # Longest first (by characters, a cheap proxy for tokens): similar lengths share a batch.
         order = np.argsort(-np.fromiter((len(t) for t in texts), np.int64, len(texts)), kind="stable")
         bar = None
@@ -105,6 +126,65 @@ class TextEmbedder:
             if pending is not None:
                 collect(pending)                                   # host work overlaps the device
             pending = (result, rows)
+        collect(pending)
+        if bar is not None:
+            bar.close()
+        return out
+
+
+    def calls(self, tokens: list[np.ndarray], max_len: int) -> list[tuple[int, list[list[int]], int]]:
+        """The packed encoder calls of a corpus: (width, rows of text indices, text slots per shard)."""
+        widths = [w for w in length_buckets(max_len, 32)]
+        rows = packing.best_fit_rows([len(t) for t in tokens], widths)
+        out = []
+        for width in widths:
+            mine = [r for w, r in rows if w == width]
+            per_call = round_to_shards(max(self.batch_size * TOKENS_PER_CALL // width, 1), self.mesh)
+            chunks = [mine[i:i + per_call] for i in range(0, len(mine), per_call)]
+            chunks = [c + [[] for _ in range(per_call - len(c))] for c in chunks]   # static shape
+            per_shard = per_call // self.shards
+            slots = max((sum(len(r) for r in c[s * per_shard:(s + 1) * per_shard])
+                         for c in chunks for s in range(self.shards)), default=0)
+            slots = -(-slots // 8) * 8                           # fewer distinct output shapes
+            out += [(width, c, slots) for c in chunks]
+        return out
+
+    def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None) -> np.ndarray:
+        t0 = time.perf_counter()
+        tokens = self.tokenizer.tokens(texts, max_len)
+        calls = self.calls(tokens, max_len)
+        self.stats["host_s"] += time.perf_counter() - t0
+        bar = None
+        if progress is not None:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(texts), desc=progress, unit="text", dynamic_ncols=True, leave=False)
+        out: np.ndarray | None = None
+        pending = None                                             # (device result, owners): one call in flight
+
+        def collect(item):
+            nonlocal out
+            result, owners = item
+            emb = np.asarray(result)
+            if out is None:
+                out = np.zeros((len(texts), emb.shape[1]), np.float32)
+            owners = owners.reshape(-1)
+            used = owners >= 0
+            out[owners[used]] = emb[used]
+            if bar is not None:
+                bar.update(int(used.sum()))
+
+        for width, rows, slots in calls:
+            t0 = time.perf_counter()
+            arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id)
+            self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
+            self.stats["buffer_tokens"] += arrays["mask"].size
+            inputs = put(arrays, self._rows)                       # each process: its devices' shards
+            self.stats["host_s"] += time.perf_counter() - t0
+            result = self._packed_fn(params, inputs)               # dispatched asynchronously
+            if pending is not None:
+                collect(pending)                                   # host work overlaps the device
+            pending = (result, owners)
         collect(pending)
         if bar is not None:
             bar.close()

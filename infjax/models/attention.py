@@ -25,6 +25,7 @@ Implementations (``impl``; "auto" picks by platform):
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -88,25 +89,71 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
         k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))      # [B, N, T, D]
     t = q.shape[1]
-    if t <= block or t % block or dropout is not None:
+    if dropout is not None:
         out = _explicit(qh, kh, vh, segment_ids, jnp.arange(t), causal, window, dropout)
+    elif t <= block or t % block:
+        out = _fused(qh, kh, vh, segment_ids, jnp.asarray(-1 if window is None else window), causal)
     else:
         out = _blockwise(qh, kh, vh, segment_ids, causal, window, block)
     return jnp.swapaxes(out, 1, 2)
+
+
+def _mask(segment_ids, q_index, k_index, causal, window):
+    """[B, 1, T', S] of query rows q_index; `window` < 0 means none (it may be a traced scalar)."""
+    q_seg = jnp.take(segment_ids, q_index, axis=1)
+    mask = (q_seg[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
+    if causal:
+        mask = mask & (k_index[None, :] <= q_index[:, None])[None]
+    if window is not None:
+        near = jnp.abs(q_index[:, None] - k_index[None, :]) <= window
+        mask = mask & (near | (window < 0))[None]
+    return mask[:, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused(qh, kh, vh, segment_ids, window, causal):
+    """Attention with a hand-written backward that keeps only the output and the log-sum-exp
+    (the scores are recomputed), as flash attention does; one pass over the scores per direction."""
+    return _fused_fwd(qh, kh, vh, segment_ids, window, causal)[0]
+
+
+def _scores(qh, kh, segment_ids, window, causal):
+    t = qh.shape[2]
+    scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * qh.shape[-1] ** -0.5
+    mask = _mask(segment_ids, jnp.arange(t), jnp.arange(kh.shape[2]), causal, window)
+    return jnp.where(mask, scores, -1e30)
+
+
+def _fused_fwd(qh, kh, vh, segment_ids, window, causal):
+    scores = _scores(qh, kh, segment_ids, window, causal)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - top)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = (jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total).astype(qh.dtype)
+    return out, (qh, kh, vh, segment_ids, window, out, top + jnp.log(total))
+
+
+def _fused_bwd(causal, res, d_out):
+    qh, kh, vh, segment_ids, window, out, lse = res
+    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal) - lse)            # [B, N, T, S] float32
+    d_out32 = d_out.astype(jnp.float32)
+    d_v = jnp.matmul(jnp.swapaxes(probs, -1, -2), d_out32)
+    d_probs = jnp.matmul(d_out32, jnp.swapaxes(vh, -1, -2).astype(jnp.float32))
+    delta = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1, keepdims=True)
+    d_scores = probs * (d_probs - delta) * qh.shape[-1] ** -0.5
+    d_q = jnp.matmul(d_scores, kh.astype(jnp.float32))
+    d_k = jnp.matmul(jnp.swapaxes(d_scores, -1, -2), qh.astype(jnp.float32))
+    return (d_q.astype(qh.dtype), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _explicit(qh, kh, vh, segment_ids, q_index, causal, window, dropout: Any = None):
     """Attention of query rows `q_index` (qh [B, N, T', D]) over all keys (kh, vh [B, N, S, D])."""
     scale = qh.shape[-1] ** -0.5
     scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
-    q_seg = jnp.take(segment_ids, q_index, axis=1)
-    mask = (q_seg[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    k_index = jnp.arange(kh.shape[2])
-    if causal:
-        mask = mask & (k_index[None, :] <= q_index[:, None])[None]
-    if window is not None:
-        mask = mask & (jnp.abs(q_index[:, None] - k_index[None, :]) <= window)[None]
-    scores = jnp.where(mask[:, None], scores, -1e30)
+    scores = jnp.where(_mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window), scores, -1e30)
     scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     weights = jnp.exp(scores)
     total = jnp.sum(weights, axis=-1, keepdims=True)

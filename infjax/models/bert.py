@@ -133,12 +133,6 @@ class BertEmbeddings(nn.Module):
     @nn.compact
     def __call__(self, input_ids, token_type_ids, positions, deterministic: bool):
         cfg = self.config
-        seq_len = input_ids.shape[-1]
-        if seq_len > cfg.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {seq_len} exceeds max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
-            )
         init = nn.initializers.normal(stddev=0.02)
 
         def embed(name, num):

@@ -29,7 +29,6 @@ import dataclasses
 from typing import Any, Mapping
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from infjax.models import layers as L

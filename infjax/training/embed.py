@@ -13,6 +13,11 @@ one per (instruction-aware query, passage) pair) is a dict of int32 arrays:
       qo_ids, qo_mask [R, Lq]     the query alone
       i_group         [R]         the record a row comes from (rows of one record share instructions)
 
+Packed (data.packing, the default): each side is instead a dict of packed arrays
+under its name ("p", "q", "n", "i", "qo"; data/packing.py), and the encoder
+returns the same outputs in the same row order, so everything after the
+encoder is unchanged.
+
 `encoder_calls` lists the encoder passes over those arrays and `assemble`
 turns their outputs into `losses.contrastive_loss`'s keyword arguments;
 gradient caching (gradcache.py) runs the same passes chunk by chunk.
@@ -20,6 +25,7 @@ gradient caching (gradcache.py) runs the same passes chunk by chunk.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from infjax import losses
 from infjax.models import interaction
@@ -29,9 +35,12 @@ from infjax.models.encoder import Encoder, passage_params, query_params
 def encoder_calls(encoder: Encoder, batch: dict) -> dict[str, tuple]:
     """The encoder passes of a batch: name -> (fn(params, ids, mask, rng) -> out, ids [N, L], mask, key index).
 
-    Every output has N leading rows, one per row of `ids`; `assemble` turns them into the loss's
+    Every output has N leading rows, one per text; `assemble` turns them into the loss's
     arguments. The key index picks the pass's dropout key (of 3 split from the step's key).
+    A packed side passes its dict of packed arrays as `ids` and None as `mask`.
     """
+    if "p" in batch:
+        return _packed_calls(encoder, batch)
     pooled = lambda select: lambda params, ids, mask, rng: encoder(select(params), ids, mask, rng)  # noqa: E731
     calls = {"p": (pooled(passage_params), batch["p_ids"], batch["p_mask"], 1)}
     if "i_ids" in batch:
@@ -47,20 +56,57 @@ def encoder_calls(encoder: Encoder, batch: dict) -> dict[str, tuple]:
     return calls
 
 
+def _packed_calls(encoder: Encoder, batch: dict) -> dict[str, tuple]:
+    pooled = lambda select: lambda params, packed, _, rng: encoder.packed(select(params), packed, rng)  # noqa: E731
+    calls = {"p": (pooled(passage_params), batch["p"], None, 1)}
+    if "i" in batch:
+        calls["i_vec"] = (pooled(query_params), batch["i"], None, 0)
+        calls["q_hidden"] = (lambda params, packed, _, rng: unpack(
+            encoder.packed_hidden(query_params(params), packed, rng), packed, packed["ids"].shape[2])[0],
+            batch["qo"], None, 2)
+        return calls
+    calls["iq"] = (pooled(query_params), batch["q"], None, 0)
+    if "n" in batch:
+        calls["iq_neg"] = (pooled(query_params), batch["n"], None, 2)
+    return calls
+
+
+def unpack(hidden: jax.Array, packed: dict, length: int) -> tuple[jax.Array, jax.Array]:
+    """Packed token states [S, T, H] -> per-text states [S * n, length, H] and their mask [S * n, length]."""
+    first, last = packed["first"], packed["last"]
+    offsets = jnp.arange(length)
+    index = first[:, :, None] + offsets                                     # [S, n, length]
+    mask = (index <= last[:, :, None]).astype(jnp.int32)
+    index = jnp.minimum(index, hidden.shape[1] - 1)
+    s, n = first.shape
+    states = jnp.take_along_axis(hidden, index.reshape(s, n * length)[:, :, None], axis=1)
+    return states.reshape(s * n, length, -1), mask.reshape(s * n, length)
+
+
+def _query_mask(batch: dict) -> jax.Array:
+    """The query-alone token mask [R, Lq] of Interaction II (packed: rebuilt from first/last)."""
+    if "qo" not in batch:
+        return batch["qo_mask"]
+    first, last = batch["qo"]["first"], batch["qo"]["last"]
+    length = batch["qo"]["ids"].shape[2]
+    return (jnp.arange(length) <= (last - first)[:, :, None]).astype(jnp.int32).reshape(-1, length)
+
+
 def assemble(params: dict, outputs: dict, batch: dict, need_instruction_negatives: bool = True) -> dict:
     """The loss's keyword arguments from the encoder outputs (and the interaction head's parameters)."""
     if "q_hidden" in outputs:
         head = params["interaction"]
         i_vec, q_hidden = outputs["i_vec"], outputs["q_hidden"]
-        out = {"p": outputs["p"], "iq": interaction.iq_embeddings(head, i_vec, q_hidden, batch["qo_mask"])}
+        q_mask = _query_mask(batch)
+        out = {"p": outputs["p"], "iq": interaction.iq_embeddings(head, i_vec, q_hidden, q_mask)}
         if need_instruction_negatives:
-            out["i_cos"] = interaction.pair_cosines(head, i_vec, q_hidden, batch["qo_mask"], outputs["p"])
+            out["i_cos"] = interaction.pair_cosines(head, i_vec, q_hidden, q_mask, outputs["p"])
             out["i_valid"] = batch["i_group"][None, :] != batch["i_group"][:, None]
         return out
     out = {"p": outputs["p"], "iq": outputs["iq"]}
     if "iq_neg" in outputs:
-        r, k = batch["n_ids"].shape[:2]
-        out["iq_neg"] = outputs["iq_neg"].reshape(r, k, -1)
+        r = outputs["iq"].shape[0]
+        out["iq_neg"] = outputs["iq_neg"].reshape(r, outputs["iq_neg"].shape[0] // r, -1)
     return out
 
 

@@ -63,10 +63,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Global arrays from this process's slice of the batch (leading dim split over BATCH_AXES)."""
+def global_batch(local: dict, mesh: Mesh) -> dict:
+    """Global arrays from this process's slice of the batch, a tree of arrays (leading dim split over BATCH_AXES)."""
     sharding = batch_sharding(mesh)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+    return jax.tree.map(lambda v: jax.make_array_from_process_local_data(sharding, v), local)
 
 
 def from_host(x, sharding) -> jax.Array:

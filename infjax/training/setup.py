@@ -7,6 +7,8 @@ that trains.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 
 import jax
 
@@ -14,8 +16,12 @@ from infjax import losses
 from infjax.data import batches, synthetic
 from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
 from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.models import hf_io
 from infjax.models.encoder import Encoder
+from infjax.training import mesh as mesh_lib
 from infjax.training import step as step_lib
+
+log = logging.getLogger("infjax")
 
 FIELD_MAPS = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}
 
@@ -53,7 +59,13 @@ class BatchSetup:
 
 
 def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: str,
-                     objective: losses.Objective) -> BatchSetup:
+                     objective: losses.Objective, num_devices: int | None = None) -> BatchSetup:
+    """Tokenizer, text format, batch plan and builder; with data.packing, the packed capacities too."""
+    max_positions = hf_io.load_hf_config(model_path).get("max_position_embeddings")
+    for key in ("query_max_len", "passage_max_len"):
+        if max_positions and config.data[key] > max_positions:
+            raise ValueError(f"config.data.{key}={config.data[key]} exceeds the model's max_position_embeddings="
+                             f"{max_positions} ({model_path}/config.json)")
     tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
     fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
@@ -63,7 +75,40 @@ def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: 
     build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
                                  config.data.passage_max_len, config.data.hard_negatives, sampler,
                                  jax.process_index(), jax.process_count(), config.model.interaction)
+    if config.data.packing and not config.train.chunk_size:
+        build = dataclasses.replace(build, pack_lengths={"query": config.data.pack_length_query,
+                                                         "passage": config.data.pack_length_passage})
+        build = dataclasses.replace(build, **packed_layout(config, build, plan, num_devices or jax.device_count()))
+    elif config.data.packing:
+        log.info("data.packing is off for this run: gradient caching (train.chunk_size=%d) pads every text",
+                 config.train.chunk_size)
     return BatchSetup(tokenizer, fmt, plan, build)
+
+
+OVERRIDES = {"q": "pack_rows_query", "i": "pack_rows_query", "qo": "pack_rows_query", "p": "pack_rows_passage",
+             "n": "pack_rows_negatives"}
+
+
+def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int) -> dict:
+    """The builder's packing fields: capacities per side (config overrides, else measured over the run)."""
+    data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
+    shards = data * fsdp
+    sides = build.side_texts(0, local=False)[0]
+    t0 = time.perf_counter()
+    need = [side for side in sides if not config.data[OVERRIDES[side]]]
+    measured = batches.measure_capacities(build, range(total_steps(config, plan)), shards) if need else {}
+    capacities = {side: measured[side] if not config.data[OVERRIDES[side]] else
+                  batches.packing.Capacity(config.data[OVERRIDES[side]], build.pack_length(side)) for side in sides}
+    for side, cap in capacities.items():
+        texts = len(sides[side]) // shards
+        source = f"data.{OVERRIDES[side]}" if config.data[OVERRIDES[side]] else "measured"
+        log.info("packing %-2s: %d rows x %d tokens per batch shard for %d texts of <= %d tokens (rows: %s)", side,
+                 cap.rows, cap.length, texts, build.max_len(side), source)
+    if need:
+        log.info("packing capacities measured over %d steps in %.1fs", total_steps(config, plan),
+                 time.perf_counter() - t0)
+    return {"capacities": capacities, "shards": shards // jax.process_count(),
+            "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
 
 
 def total_steps(config, plan: batches.BatchPlan) -> int:
