@@ -162,7 +162,8 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "train.steps", "train.epochs", "train.nonfinite",
-                     "train.chunk_size",
+                     "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
+                     "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
                      "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
 
 

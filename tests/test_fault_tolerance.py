@@ -167,7 +167,7 @@ def _poison_step(monkeypatch, poisoned_step):
 
     def call(self, step):
         batch = original_call(self, step)
-        rows = len(batch["p_ids"])
+        rows = len(batch["p_ids"]) if "p_ids" in batch else len(batch["p"]["ids"])    # padded or packed
         batch["poison"] = np.full((rows,), 1.0 if step == poisoned_step else 0.0, np.float32)
         return batch
 

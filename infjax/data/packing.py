@@ -13,7 +13,7 @@ input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
 ``text``, ``first`` and ``last`` are in the shard's text order, so pooling
 (models.pooling.pool_packed) returns the embeddings in the original row order
 whatever the placement. A padded batch is the special case of one text per
-row (see :func:`pad_as_packed`). Nothing is ever dropped: a shard whose texts
+row. Nothing is ever dropped: a shard whose texts
 do not fit raises :class:`PackingOverflow`, which names what to raise.
 """
 from __future__ import annotations
@@ -104,28 +104,6 @@ def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length
         for s in range(shards):
             rows = max(rows, rows_needed(lengths[s * n:(s + 1) * n], length))
     return Capacity(rows, length)
-
-
-def pad_as_packed(ids: np.ndarray, mask: np.ndarray, shards: int) -> dict:
-    """A padded batch (ids, mask [N, L]; left or right padding) as packed arrays of one text per row."""
-    n_total, length = ids.shape
-    n = n_total // shards
-    real = mask > 0
-    count = real.sum(axis=1)
-    start = np.argmax(real, axis=1)                       # first real token (0 for right padding)
-    local = np.arange(n_total) % n
-    flat_start = local * length + start
-    text = np.where(real, local[:, None], n).astype(np.int32)
-    return {"ids": ids.reshape(shards, n, length).astype(np.int32),
-            "mask": real.astype(np.int32).reshape(shards, n, length),
-            "text": text.reshape(shards, n, length),
-            "first": flat_start.reshape(shards, n).astype(np.int32),
-            "last": (flat_start + np.maximum(count, 1) - 1).reshape(shards, n).astype(np.int32)}
-
-
-def real_share(packed: dict) -> float:
-    """Share of the buffers' tokens that are real text."""
-    return float((packed["mask"] > 0).mean())
 
 
 def best_fit_rows(lengths: Sequence[int], widths: Sequence[int]) -> list[tuple[int, list[int]]]:
