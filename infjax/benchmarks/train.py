@@ -68,6 +68,8 @@ def _flags(argv):
     flags.DEFINE_enum("data", "config", ["config", "inf_ir_shaped"], "training records: the config's, or "
                       "generated with InF-IR's text lengths", flag_values=fv)
     flags.DEFINE_bool("vs_torch", False, "also time a plain PyTorch loop on the same rows (MiniLM)", flag_values=fv)
+    flags.DEFINE_bool("compile_only", False, "compile the step for the first batch and print its memory analysis",
+                      flag_values=fv)
     fv(["bench train"] + list(argv))
     if fv.config is None:
         raise SystemExit("--config is required, e.g. --config=configs/multi_pi.py")
@@ -214,6 +216,18 @@ def main(argv: list[str]) -> None:
         return
     records = inf_ir_shaped_records(max(4 * config.train.batch_size * (fv.warmup + fv.steps), 256)) \
         if fv.data == "inf_ir_shaped" else None
+    if fv.compile_only:
+        setup = Setup(config, records)
+        t0 = time.perf_counter()
+        compiled = setup.compile(setup.batch(0))
+        m = compiled.memory_analysis()
+        print(f"mesh {dict(setup.mesh.shape)}, {setup.build.global_rows} rows per step, packing "
+              f"{ {k: (c.rows, c.length) for k, c in (setup.build.capacities or {}).items()} }; compiled in "
+              f"{time.perf_counter() - t0:.1f} s")
+        print(f"per device: peak {peak_bytes(compiled) / 2**30:.2f} GiB (arguments {m.argument_size_in_bytes / 2**30:.2f}"
+              f", temporaries {m.temp_size_in_bytes / 2**30:.2f}, outputs {m.output_size_in_bytes / 2**30:.2f}, "
+              f"aliased {m.alias_size_in_bytes / 2**30:.2f})")
+        return
     r = throughput(config, fv.steps, fv.warmup, fv.peak_flops, records)
     print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}, "
           f"packing {bool(r['setup'].build.capacities)}; compile {r['compile_s']:.1f} s")
