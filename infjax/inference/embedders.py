@@ -98,39 +98,49 @@ class TextEmbedder:
             return self._packed_call(params, texts, max_len, progress)
         # Longest first (by characters, a cheap proxy for tokens): similar lengths share a batch.
         order = np.argsort(-np.fromiter((len(t) for t in texts), np.int64, len(texts)), kind="stable")
+
+        def jobs():
+            for start in range(0, len(texts), self.batch_size):
+                rows = order[start:start + self.batch_size]
+                chunk = [texts[i] for i in rows] + [""] * (self.batch_size - len(rows))   # static shape
+                ids, mask = self._trim(*self.tokenizer(chunk, max_len), max_len)
+                # Every process tokenizes the whole batch and feeds its own devices' rows (multi-host).
+                owners = np.concatenate([rows, np.full(self.batch_size - len(rows), -1)])
+                yield self._fn(params, *put((ids, mask), self._rows)), owners
+
+        return self._pipeline(jobs(), len(texts), progress)
+
+    def _pipeline(self, jobs, n: int, progress: str | None) -> np.ndarray:
+        """Collect (device result [M, d], owners [M]: the text of each row, -1 = none) into [n, d] in text
+        order, one call in flight so host work overlaps the device."""
         bar = None
         if progress is not None:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(texts), desc=progress, unit="text", dynamic_ncols=True, leave=False)
+            bar = tqdm(total=n, desc=progress, unit="text", dynamic_ncols=True, leave=False)
         out: np.ndarray | None = None
-        pending = None                                             # (device result, rows): one batch in flight
+        pending = None
 
         def collect(item):
             nonlocal out
-            result, rows = item
-            emb = np.asarray(result)[:len(rows)]
+            result, owners = item
+            emb = np.asarray(result)
             if out is None:
-                out = np.zeros((len(texts), emb.shape[1]), np.float32)
-            out[rows] = emb
+                out = np.zeros((n, emb.shape[1]), np.float32)
+            owners = owners.reshape(-1)
+            used = owners >= 0
+            out[owners[used]] = emb[used]
             if bar is not None:
-                bar.update(len(rows))
+                bar.update(int(used.sum()))
 
-        for start in range(0, len(texts), self.batch_size):
-            rows = order[start:start + self.batch_size]
-            chunk = [texts[i] for i in rows]
-            chunk += [""] * (self.batch_size - len(chunk))        # static shape: pad the last batch
-            ids, mask = self._trim(*self.tokenizer(chunk, max_len), max_len)
-            # Every process tokenizes the whole batch and feeds its own devices' rows (multi-host).
-            result = self._fn(params, *put((ids, mask), self._rows))   # dispatched asynchronously
+        for item in jobs:                                          # each call is dispatched asynchronously
             if pending is not None:
-                collect(pending)                                   # host work overlaps the device
-            pending = (result, rows)
+                collect(pending)
+            pending = item
         collect(pending)
         if bar is not None:
             bar.close()
         return out
-
 
     def calls(self, tokens: list[np.ndarray], max_len: int) -> list[tuple[int, list[list[int]], int]]:
         """The packed encoder calls of a corpus: (width, rows of text indices, text slots per shard)."""
@@ -154,41 +164,18 @@ class TextEmbedder:
         tokens = self.tokenizer.tokens(texts, max_len)
         calls = self.calls(tokens, max_len)
         self.stats["host_s"] += time.perf_counter() - t0
-        bar = None
-        if progress is not None:
-            from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(texts), desc=progress, unit="text", dynamic_ncols=True, leave=False)
-        out: np.ndarray | None = None
-        pending = None                                             # (device result, owners): one call in flight
+        def jobs():
+            for width, rows, slots in calls:
+                t0 = time.perf_counter()
+                arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id)
+                self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
+                self.stats["buffer_tokens"] += arrays["mask"].size
+                inputs = put(arrays, self._rows)                   # each process: its devices' shards
+                self.stats["host_s"] += time.perf_counter() - t0
+                yield self._packed_fn(params, inputs), owners
 
-        def collect(item):
-            nonlocal out
-            result, owners = item
-            emb = np.asarray(result)
-            if out is None:
-                out = np.zeros((len(texts), emb.shape[1]), np.float32)
-            owners = owners.reshape(-1)
-            used = owners >= 0
-            out[owners[used]] = emb[used]
-            if bar is not None:
-                bar.update(int(used.sum()))
-
-        for width, rows, slots in calls:
-            t0 = time.perf_counter()
-            arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id)
-            self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
-            self.stats["buffer_tokens"] += arrays["mask"].size
-            inputs = put(arrays, self._rows)                       # each process: its devices' shards
-            self.stats["host_s"] += time.perf_counter() - t0
-            result = self._packed_fn(params, inputs)               # dispatched asynchronously
-            if pending is not None:
-                collect(pending)                                   # host work overlaps the device
-            pending = (result, owners)
-        collect(pending)
-        if bar is not None:
-            bar.close()
-        return out
+        return self._pipeline(jobs(), len(texts), progress)
 
 
 class CrossAttentionQueryEmbedder:
