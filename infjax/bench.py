@@ -10,6 +10,7 @@ import pkgutil
 import sys
 
 import infjax.benchmarks
+from infjax import errors
 
 
 def available() -> list[str]:
@@ -24,7 +25,13 @@ def main(argv: list[str]) -> int:
     if argv[0] not in names:
         print(f"unknown benchmark {argv[0]!r}; available: {names}", file=sys.stderr)
         return 2
-    importlib.import_module(f"infjax.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
+    try:
+        importlib.import_module(f"infjax.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
+    except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
+        code = errors.report(f"infjax.bench {argv[0]}", e)
+        if code is None:
+            raise
+        return code
     return 0
 
 

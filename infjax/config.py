@@ -6,9 +6,12 @@ the key named, before anything is loaded or compiled.
 """
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from infjax.data.tokenize import validate_template
+from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
 from infjax.models.encoder import EMBEDDED, POOLINGS
@@ -101,6 +104,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # data.query_max_len); longer rows hold more texts (less padding) but
                                        # each token's attention spans the row
     c.data.pack_length_passage = 0     # ... passage side
+    c.data.resume_if_changed = False   # resume even if the training data differs from the checkpoint's (its
+                                       # fingerprint: record count and content hash); later batches then differ
     c.data.synthetic = ml_collections.ConfigDict()
     c.data.synthetic.seed = 0          # generator seed of the synthetic corpus
     c.data.synthetic.num_train = 2000  # training records
@@ -144,7 +149,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
 
     preset = c.preset
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} (config argument); choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"unknown preset {preset!r} (the config file's argument, after ':'); "
+                          f"choose one of {sorted(PRESETS)}")
     overrides = dict(PRESETS[preset]) if preset == "embedded" else {**HUB_DATA, **PRESETS[preset]}
     return override(c, overrides)
 
@@ -162,6 +168,7 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "train.steps", "train.epochs", "train.nonfinite",
+                     "data.resume_if_changed",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
                      "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
@@ -193,10 +200,6 @@ def eval_specs(c: ml_collections.ConfigDict) -> list[str]:
     return [s.strip() for s in c.eval.sets.split(",") if s.strip()]
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
-
-
 def _check(cond: bool, key: str, value, why: str) -> None:
     if not cond:
         raise ConfigError(f"config.{key}={value!r}: {why}")
@@ -204,6 +207,8 @@ def _check(cond: bool, key: str, value, why: str) -> None:
 
 def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_processes: int = 1) -> None:
     """Refuse values that cannot work, naming the key. Cheap: touches no file or device."""
+    for key, value in _flatten(c.to_dict()).items():
+        _check(not isinstance(value, float) or math.isfinite(value), key, value, "must be a finite number")
     _check(c.objective in OBJECTIVES, "objective", c.objective, f"unknown objective; choose one of {sorted(OBJECTIVES)}")
     _check(c.loss.temperature > 0, "loss.temperature", c.loss.temperature, "must be > 0")
     _check(c.loss.convention in ("paper", "reference"), "loss.convention", c.loss.convention,
@@ -229,6 +234,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
            "must be auto, default or legacy")
     _check(c.data.on_bad_row in ("error", "skip"), "data.on_bad_row", c.data.on_bad_row, "must be error or skip")
     _check(c.data.limit >= 0, "data.limit", c.data.limit, "must be >= 0")
+    _check(isinstance(c.data.source, str) and c.data.source.strip() != "", "data.source", c.data.source,
+           "must be 'synthetic', a hub id, or local parquet/jsonl/json path(s)")
+    if c.data.source != "synthetic":
+        _check(any(s.strip() for s in c.data.splits.split(",")), "data.splits", c.data.splits,
+               "names no split; give one or more comma-separated InF-IR splits (e.g. msmarco)")
+    _check(isinstance(c.data.resume_if_changed, bool), "data.resume_if_changed", c.data.resume_if_changed,
+           "must be True or False")
     for key in ("query_max_len", "passage_max_len"):
         _check(8 <= c.data[key] <= 8192, f"data.{key}", c.data[key], "must be in [8, 8192]")
     try:
@@ -276,13 +288,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(list(sizes.values()).count(-1) <= 1, "mesh", sizes, "at most one axis may be -1")
     rows = c.train.batch_size * (3 if c.data.hard_negatives else 1)
     if num_devices is not None:
-        fixed = 1
-        for size in sizes.values():
-            fixed *= size if size != -1 else 1
-        free = [a for a, size in sizes.items() if size == -1]
-        _check(fixed <= num_devices and num_devices % fixed == 0, f"mesh.{free[0] if free else 'data'}",
-               sizes[free[0] if free else "data"],
-               f"mesh {sizes} does not divide the {num_devices} available devices")
+        fixed, free = 1, [a for a, size in sizes.items() if size == -1]
+        for axis, size in sizes.items():      # blame the first fixed axis that breaks divisibility
+            if size == -1:
+                continue
+            fixed *= size
+            _check(num_devices % fixed == 0, f"mesh.{axis}", size,
+                   f"mesh {sizes} does not divide the {num_devices} available devices")
         if free:
             sizes[free[0]] = num_devices // fixed
         shards = sizes["data"] * sizes["fsdp"]

@@ -43,14 +43,14 @@ import time
 
 import jax
 
+from infjax import errors
 from infjax.evaluation import datasets
 from infjax.evaluation.datasets import DataError
 from infjax.evaluation.tasks import evaluate_task, mean_summary, template_pairs
 from infjax.evaluation.trec import write_outputs
 from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
-from infjax.inference.sources import ModelSourceError, load_model
-from infjax.models.hf_io import CheckpointNotFound
+from infjax.inference.sources import load_model
 from infjax.training import distributed
 
 log = logging.getLogger("infjax.evaluate")
@@ -115,6 +115,8 @@ def run_evaluation(args: argparse.Namespace) -> dict:
     if args.block_size < 1:
         raise DataError(f"--block_size={args.block_size}: must be >= 1")
     kind = datasets.parse_spec(args.dataset)[0]
+    if args.out and os.path.exists(os.path.expanduser(args.out)) and not os.path.isdir(os.path.expanduser(args.out)):
+        raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
 
     def load_data(synthetic_defaults=None):
         return datasets.load(args.dataset, split=args.split, instruction=args.instruction,
@@ -173,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("infjax").setLevel(logging.WARNING)
     try:
         run_evaluation(args)
-    except (DataError, ModelSourceError, CheckpointNotFound, FileNotFoundError, PermissionError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
+        code = errors.report("infjax.evaluate", e)
+        if code is None:
+            raise
+        return code
     return 0
 
 

@@ -29,13 +29,17 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from infjax import errors
 from infjax.data.tokenize import Tokenizer
+from infjax.errors import UserError
 from infjax.models import hf_io
 from infjax.models.registry import FAMILIES
-from infjax.training.restore import load_run
+from infjax.training.restore import check_finite, load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = "interaction_head.safetensors"
+MARKER_FILE = "infjax-export.json"        # written into every export: what --overwrite may replace
+_README_TITLE = "# InF-Embed bi-encoder (exported by infjax)"
 INTERACTION_README = """
 ## Interaction II (cross-attention) head
 
@@ -69,7 +73,7 @@ _ST_POOLING_KEYS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooli
                     "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens", "pooling_mode_lasttoken")
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """A user error (bad arguments, existing output); the message says what to change."""
 
 
@@ -212,7 +216,7 @@ def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding
         layout = ("One encoder for instruction-queries and passages (Hugging Face +\n"
                   "sentence-transformers format).")
         q_folder = p_folder = "DIR"
-    return f"""# InF-Embed bi-encoder (exported by infjax)
+    return f"""{_README_TITLE}
 
 Base checkpoint `{base}` ({family}), fine-tuned with infjax{trained}.
 {layout}
@@ -246,11 +250,44 @@ scores = q @ p.T
 # --------------------------------------------------------------------------
 
 
-def _check_out(out: str, overwrite: bool) -> None:
+def is_export(folder: str) -> bool:
+    """Whether `folder` was written by infjax.export (its marker file, or the README of older exports)."""
+    if os.path.isfile(os.path.join(folder, MARKER_FILE)):
+        return True
+    try:
+        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
+            return f.readline().rstrip("\n") == _README_TITLE
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether folder `a` is `b`, lies inside `b`, or contains `b` (after resolving links)."""
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return os.path.commonpath([a, b]) in (a, b)
+
+
+def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
+    """Refuse an --out that export could not write without losing something.
+
+    DIR may be new or empty; a non-empty DIR needs --overwrite and must be an earlier export
+    (never a folder export did not write), and with `source` (the run's workdir) DIR must not be
+    the run, contain it, or lie inside it when something would be replaced.
+    """
     if os.path.exists(out) and not os.path.isdir(out):
         raise ExportError(f"--out={out} exists and is not a folder")
-    if os.path.isdir(out) and os.listdir(out) and not overwrite:
-        raise ExportError(f"--out={out} is not empty; pass --overwrite to replace it, or choose another folder")
+    if source is not None and _overlaps(out, source) and (
+            os.path.realpath(out) == os.path.realpath(source) or os.path.exists(out)):
+        raise ExportError(f"--out={out} is, contains or lies inside the run being exported (--workdir={source}); "
+                          f"export never writes over a run: choose a folder outside it")
+    if os.path.isdir(out) and os.listdir(out):
+        if not overwrite:
+            raise ExportError(f"--out={out} is not empty; pass --overwrite to replace an earlier export, "
+                              f"or choose another folder")
+        if not is_export(out):
+            raise ExportError(f"--out={out} is not empty and was not written by infjax.export (no {MARKER_FILE}); "
+                              f"--overwrite only replaces an earlier export: remove the folder yourself or "
+                              f"choose another one")
 
 
 def _publish(tmp: str, out: str) -> None:
@@ -283,7 +320,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     """
     out = os.path.abspath(os.path.expanduser(out))
     shard_bytes = parse_size(max_shard_size)
-    _check_out(out, overwrite)
+    _check_out(out, overwrite, run or None)
+    check_finite(params, f"export of {run or 'the given parameters'}" + (f" step {step}" if step is not None else ""))
     extra = sorted(set(params) - {"shared", "query", "passage", "interaction"})
     if extra:
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
@@ -318,6 +356,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
                                 query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step)
                     + (INTERACTION_README if head is not None else ""))
+        _write_json(os.path.join(tmp, MARKER_FILE), {"run": os.path.abspath(run) if run else None, "step": step,
+                                                    "base": base or base_path, "family": family})
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -330,7 +370,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
     out_abs = os.path.abspath(os.path.expanduser(out))
     parse_size(max_shard_size)
-    _check_out(out_abs, overwrite)          # fail before the (slow) restore
+    _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
     run = load_run(workdir, step)
     config = run.config
     return export_model(
@@ -354,9 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size)
-    except (ExportError, FileNotFoundError, FileExistsError, NotADirectoryError) as e:
-        print(f"infjax.export: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
+        code = errors.report("infjax.export", e)
+        if code is None:
+            raise
+        return code
     print(f"exported {args.workdir} to {out}")
     return 0
 

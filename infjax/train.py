@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -23,16 +24,14 @@ from absl import app, flags
 from ml_collections import config_flags
 from tqdm.auto import tqdm
 
-from infjax import config as config_lib
-from infjax.data.inf_ir import BadRowError, MissingColumnError
-from infjax.evaluation.datasets import DataError
+from infjax import config as config_lib, errors
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
-from infjax.training import checkpoint, distributed, mesh as mesh_lib, state as state_lib
+from infjax.training import checkpoint, distributed, mesh as mesh_lib, state as state_lib, workdir as workdir_lib
 from infjax.training.restore import saved_steps
-from infjax.training.setup import compiled_train_step, load_training_records, make_batch_setup, make_objective, \
-    total_steps
+from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
+    make_objective, total_steps
 
 log = logging.getLogger("infjax.train")
 
@@ -48,8 +47,12 @@ def check_resume_request(workdir: str, resume: bool) -> None:
         raise FileNotFoundError(f"config.resume=True but {ckpt} holds no checkpoint to resume from")
 
 
-class NonFiniteError(RuntimeError):
-    """A step produced a non-finite loss or gradient under train.nonfinite='stop'."""
+class NonFiniteError(errors.RunStopped):
+    """A step produced a non-finite loss, gradient or update under train.nonfinite='stop'."""
+
+
+class CheckpointSaveError(errors.RunStopped):
+    """A checkpoint could not be written (e.g. the disk is full); the message names the last complete one."""
 
 
 class Preemption:
@@ -74,19 +77,6 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
-
-
-class MetricsWriter:
-    """Log lines plus one JSON object per logged step in WORKDIR/metrics.jsonl (process 0 only)."""
-
-    def __init__(self, workdir: str):
-        self.enabled = jax.process_index() == 0
-        self.path = os.path.join(workdir, "metrics.jsonl")
-
-    def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 SYNTHETIC_SPEC = "synthetic"     # eval.synthetic: the run's own FollowIR-style split (config.data.synthetic)
@@ -138,8 +128,11 @@ class Evaluator:
         return {"p_mrr": m["p_mrr"], "ndcg@5": m["ndcg@5"], "step": int(state.step)}
 
 
-def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: dict):
-    """(start step, state): the newest readable checkpoint's under config.resume, else (0, state)."""
+def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: dict, fingerprint: dict):
+    """(start step, state): the newest readable checkpoint's under config.resume, else (0, state).
+
+    Refuses a checkpoint whose config differs in a key that must stay fixed, or whose training data
+    had another fingerprint (unless data.resume_if_changed), before its state is read."""
     if not config.resume:
         return 0, state
 
@@ -149,6 +142,19 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, a, b in diffs)
             raise config_lib.ConfigError(f"cannot resume from {ckpts.step_dir(step)}: the config changed in "
                                          f"keys that must stay fixed for a run:\n{lines}")
+        saved_fp = ckpts.saved_data_position(step).get("data_fingerprint")
+        if saved_fp is None:
+            log.info("checkpoint %s stores no data fingerprint (an older run): the data is not checked",
+                     ckpts.step_dir(step))
+        elif saved_fp != fingerprint:
+            if not config.data.resume_if_changed:
+                raise config_lib.ConfigError(
+                    f"cannot resume from {ckpts.step_dir(step)}: the training data changed since it was saved "
+                    f"(then {saved_fp['records']} records, hash {saved_fp['hash']}; now {fingerprint['records']} "
+                    f"records, hash {fingerprint['hash']}), so the batches of the remaining steps would differ; "
+                    f"restore the data, or pass --config.data.resume_if_changed=True to go on with the new data")
+            log.warning("resuming on changed training data (%s -> %s) as data.resume_if_changed asks",
+                        saved_fp, fingerprint)
 
     start, state, position = ckpts.restore_newest_readable(checkpoint.abstract_like(state),
                                                            config.checkpoint.fallback, refuse_incompatible)
@@ -158,15 +164,23 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
 
 
 def run(config, workdir: str) -> TrainResult:
-    """Train per `config` in `workdir`: evaluate, train (logging, evaluating, checkpointing), evaluate."""
+    """Train per `config` in `workdir`: evaluate, train (logging, evaluating, checkpointing), evaluate.
+
+    The workdir is locked for the run (one run per workdir; process 0 holds the lock)."""
     config_lib.validate(config, jax.device_count(), jax.process_count())
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), jax.devices()[0].platform)
+    with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
+        return _run(config, workdir)
+
+
+def _run(config, workdir: str) -> TrainResult:
     check_resume_request(workdir, config.resume)
 
     # Data and model: files are read here, before anything compiles.
     encoder, params, model_path = load_encoder(config.model)
     records = load_training_records(config.data)
+    fingerprint = data_fingerprint(records)
     objective = make_objective(config)
     setup = make_batch_setup(config, records, encoder, model_path, objective)
     steps = total_steps(config, setup.plan)
@@ -187,21 +201,23 @@ def run(config, workdir: str) -> TrainResult:
 
     config_json = json.loads(config.to_json_best_effort())
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
-    start, state = restore_or_start(config, ckpts, state, config_json)
-    if start >= steps:
-        log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
+    try:                   # the manager is closed on every path (else its threads report errors at exit)
+        start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
+        if start >= steps:
+            log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
+        metrics_log = workdir_lib.MetricsLog(workdir, enabled=jax.process_index() == 0)
+        metrics_log.start(start)
 
-    results = {}
-    if config.eval.synthetic:
-        results["before"] = evaluator.synthetic(state)
-        log.info("eval before training (step %d): p-MRR %+.2f  nDCG@5 %.4f", start,
-                 results["before"]["p_mrr"], results["before"]["ndcg@5"])
-
-    try:
+        results = {}
+        if config.eval.synthetic:
+            results["before"] = evaluator.synthetic(state)
+            log.info("eval before training (step %d): p-MRR %+.2f  nDCG@5 %.4f", start,
+                     results["before"]["p_mrr"], results["before"]["ndcg@5"])
         state, losses_seen, preempted = train_loop(config, state, train_step, setup, mesh, ckpts, start, steps,
-                                                   MetricsWriter(workdir), specs, evaluator, config_json)
+                                                   metrics_log, specs, evaluator, config_json, fingerprint)
+        close_checkpoints(ckpts, workdir)      # waits for asynchronous saves
     finally:
-        ckpts.close()      # waits for asynchronous saves
+        close_checkpoints(ckpts, workdir, quiet=True)
     if preempted:
         log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
                     preempted, int(state.step), ckpts.step_dir(int(state.step)))
@@ -217,8 +233,9 @@ def run(config, workdir: str) -> TrainResult:
     return TrainResult(results, int(state.step), losses_seen, state, None)
 
 
-def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int, writer: MetricsWriter,
-               specs: list[str], evaluator: Evaluator, config_json: dict):
+def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int,
+               writer: workdir_lib.MetricsLog, specs: list[str], evaluator: Evaluator, config_json: dict,
+               fingerprint: dict):
     """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets), checkpoint, stop on a signal.
 
     Returns (state, [(step, loss)] of the logged steps, the stopping signal's name or None).
@@ -236,7 +253,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
             if config.train.nonfinite == "stop" and not bool(metrics["finite"]):
                 pos = plan.position(step)
                 raise NonFiniteError(
-                    f"non-finite loss or gradient at step {step} (epoch {pos['epoch']}, batch {pos['offset']} "
+                    f"non-finite loss, gradient or updated parameters at step {step} (epoch {pos['epoch']}, batch {pos['offset']} "
                     f"of the epoch, records {plan.record_indices(step).tolist()}); the parameters were not "
                     f"updated. Latest checkpoint: {ckpts.latest_step()}. "
                     f"--config.train.nonfinite=skip skips such steps instead.")
@@ -265,10 +282,58 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
             preempted = preemption.received or (
                 "preemption" if jax.process_count() > 1 and ckpts.reached_preemption(done) else None)
             if done % config.checkpoint.every == 0 or done == steps or preempted:
-                ckpts.save(done, state, plan.position(done), config_json)
+                save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint},
+                                config_json)
             if preempted:
                 break
     return state, losses_seen, preempted
+
+
+def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: dict, config_json: dict) -> None:
+    """Save (asynchronously by default). Too little free disk for one more checkpoint, or a failed write
+    (this one's or the previous asynchronous one's), stops the run with one message naming the last
+    complete checkpoint."""
+    needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
+    if free < needed:
+        last = ckpts.complete_steps()
+        raise CheckpointSaveError(
+            f"cannot save checkpoint {step} in {ckpts.directory}: {free / 2**30:.2f} GiB free on its disk, one "
+            f"checkpoint needs about {needed / 2**30:.2f} GiB"
+            + (f"; the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
+               f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
+    try:
+        ckpts.save(step, state, position, config_json)
+    except Exception as e:  # noqa: BLE001 - Orbax wraps I/O errors in its own types
+        raise _save_failed(ckpts, ckpts.pending or step, e) from e
+
+
+def close_checkpoints(ckpts: checkpoint.Checkpoints, workdir: str, quiet: bool = False) -> None:
+    """Wait for the last asynchronous save and close the manager (idempotent).
+
+    `quiet`: an error is already on its way up (only log a failed save)."""
+    try:
+        ckpts.close()
+    except Exception as e:  # noqa: BLE001
+        if not quiet:
+            raise _save_failed(ckpts, ckpts.pending, e) from e
+        log.error("%s", _save_failed(ckpts, ckpts.pending, e))
+
+
+def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Exception) -> CheckpointSaveError:
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:   # Orbax wraps the OSError
+        if isinstance(cause, OSError):
+            break
+        cause = cause.__cause__ or cause.__context__
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)   # the failed writes' orphaned futures, at exit
+    removed = ckpts.remove_partial() if jax.process_index() == 0 else []
+    last = ckpts.complete_steps()
+    return CheckpointSaveError(
+        f"saving checkpoint{f' {step}' if step is not None else ''} in {ckpts.directory} failed: "
+        f"{errors.describe(cause)}"
+        + (f"; removed its unfinished folder(s) {removed}" if removed else "")
+        + (f"; the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
+           f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
 
 
 def _progress(it, start: int, total: int):
@@ -282,18 +347,54 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
-    distributed.initialize()       # multi-host start-up, before any device is touched
-    if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
-        logging.getLogger("infjax").setLevel(logging.WARNING)
-    try:
+    # One line and exit 2 (bad input), 3 (run stopped), 130 (Ctrl-C); tracebacks only for bugs.
+    with errors.reported("infjax.train", log):
+        distributed.initialize()       # multi-host start-up, before any device is touched
+        if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
+            logging.getLogger("infjax").setLevel(logging.WARNING)
         run(config, workdir or os.path.join("runs", config.objective))
-    except (config_lib.ConfigError, BadRowError, MissingColumnError, FileNotFoundError, FileExistsError,
-            PermissionError, checkpoint.CheckpointReadError, DataError) as e:
-        log.error("%s", e)      # a user-facing error: the message names the key, file, row or field
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl flag parsing, with the config file loaded now: a bad flag, config file, preset or config key
+    is one line naming it and exit status 2 (absl alone prints tracebacks for most of them)."""
+    try:
+        rest = flags.FLAGS(argv)
+        flags.FLAGS.config.objective      # noqa: B018 - loads the config file (absl loads it lazily)
+        return rest
+    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, SyntaxError) as e:
+        print(f"infjax.train: error: {flag_error(e, argv)}", file=sys.stderr)
         sys.exit(2)
-    except (NonFiniteError, OSError) as e:
-        log.error("%s", e)
-        sys.exit(3)
+
+
+def flag_error(error: BaseException, argv: list[str]) -> str:
+    """The message of a flag-parsing error, naming the flag."""
+    given = [a for a in argv[1:] if a.startswith("--config=")]
+    config_arg = given[-1].split("=", 1)[1] if given else ""
+    config_file = config_arg.split(":", 1)[0]
+    if config_file and not os.path.isfile(config_file):
+        return f"--config={config_arg}: no such config file ({os.path.abspath(config_file)})"
+    chain = [error]
+    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    for e in reversed(chain):                # infjax's own innermost error (e.g. an unknown preset) says it best
+        if isinstance(e, errors.UserError):
+            return f"--config={config_arg}: {e}"
+    text = str(error).strip("'\"").replace("\\'", "'").replace("\\n", "\n")
+    missing = re.match(r"'?([^'\n]+)'?\n?(Did you mean \"([^\"]+)\")?", text)
+    if isinstance(error, (AttributeError, KeyError)) and missing:
+        key, hint = missing.group(1), missing.group(3)
+        flag = next((a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")
+                     and key in a.split("=", 1)[0].split(".")), f"--config.{key}")
+        return f"{flag}: no such config key" + (f" (did you mean {hint!r}?)" if hint else "")
+    if isinstance(error, SyntaxError):
+        return f"--config={config_arg}: {error.msg} ({error.filename}, line {error.lineno})"
+    if isinstance(error, flags.Error):
+        first = str(error).split("\n", 1)[0].rstrip(":")
+        inner = chain[-1] if len(chain) > 1 else None
+        return first + (f": {type(inner).__name__}: {inner}" if inner is not None and str(inner) not in first
+                        else "")
+    return f"{type(error).__name__}: {error}"
 
 
 def _define_flags() -> None:
@@ -306,4 +407,4 @@ def _define_flags() -> None:
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

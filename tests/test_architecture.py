@@ -2,6 +2,7 @@
 
 Layers, lowest first (a module may import its own package and any lower layer, nothing else):
 
+    errors                    the error types and the entry points' one-line report (imports nothing)
     data, models, losses      what a batch is, what the networks are, what the loss is (independent)
     training                  mesh, partitioning, state, embed, step, gradcache, setup, checkpoints
     inference                 embedders, embedding cache, exact search, model sources
@@ -16,7 +17,7 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infjax")
 
-LAYERS = {"data": 0, "models": 0, "losses": 0, "training": 1, "inference": 2, "evaluation": 3, "config": 4,
+LAYERS = {"errors": -1, "data": 0, "models": 0, "losses": 0, "training": 1, "inference": 2, "evaluation": 3, "config": 4,
           "train": 5, "evaluate": 5, "export": 5, "bench": 5, "benchmarks": 5}
 ENTRY_POINTS = {"train", "evaluate", "export", "bench", "benchmarks"}
 

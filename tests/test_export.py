@@ -1,6 +1,7 @@
 """Export: a trained run -> a Hugging Face + sentence-transformers folder with infjax's embeddings."""
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -141,6 +142,27 @@ def test_non_empty_out_is_refused_without_overwrite(shared_run, exported, capsys
     assert sorted(os.listdir(os.path.dirname(exported))) == ["model"]
 
 
+def test_overwrite_never_removes_the_run_or_what_export_did_not_write(shared_run, tmp_path, capsys):
+    """--out = the run, its parent, a folder inside it, or a non-empty folder of other files: all refused."""
+    s = tmp_path / "S"
+    run = s / "runA"
+    shutil.copytree(shared_run, run)
+    (s / "notes.txt").write_text("unrelated")
+    everything = sorted(str(p.relative_to(s)) for p in s.rglob("*"))
+    for out in (run, s, run / "checkpoints"):
+        assert export.main(["--workdir", str(run), "--out", str(out), "--overwrite"]) == 2
+        assert "lies inside the run being exported" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(s)) for p in s.rglob("*")) == everything
+    assert export.main(["--workdir", str(run), "--out", str(run / "hf")]) == 0     # new folder: nothing replaced
+    assert export.main(["--workdir", str(run), "--out", str(run / "hf"), "--overwrite"]) == 2
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.txt").write_text("mine")
+    assert export.main(["--workdir", str(run), "--out", str(other), "--overwrite"]) == 2
+    assert "was not written by infjax.export" in capsys.readouterr().err
+    assert (other / "data.txt").read_text() == "mine"
+
+
 def test_user_errors_exit_with_code_2(shared_run, tmp_path, capsys):
     assert export.main(["--workdir", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     assert "no checkpoints" in capsys.readouterr().err
@@ -182,7 +204,7 @@ def test_separate_encoders_export_two_folders(tmp_path):
     export.export_model(out, family="bert", params=params, hf_config=load_hf_config(path), base_path=path,
                         pooling="mean", padding_side="right", query_prefix="query: ", passage_prefix="passage: ",
                         query_max_len=MAX_LEN, passage_max_len=MAX_LEN)
-    assert sorted(os.listdir(out)) == ["README.md", "passage", "query"]
+    assert sorted(os.listdir(out)) == ["README.md", "infjax-export.json", "passage", "query"]
     readme = open(os.path.join(out, "README.md")).read()
     assert "'query: '" in readme and "'passage: '" in readme and "DIR/query" in readme
     embedded = {}

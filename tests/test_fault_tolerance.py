@@ -35,7 +35,7 @@ def start_cli(workdir, *extra):
 
 
 def logged_losses(workdir):
-    """{step: loss}, the last record of each step (a resumed run re-logs the steps after its checkpoint)."""
+    """{step: loss} of the training records of metrics.jsonl."""
     out = {}
     path = os.path.join(workdir, "metrics.jsonl")
     if os.path.exists(path):
@@ -73,6 +73,8 @@ def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_pa
     assert f"resumed from step {max(saved)}" in out
     a, b = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "cut")
     assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == list(range(1, 9))           # each step once: the records after the checkpoint were dropped
     assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]       # bit for bit
 
 

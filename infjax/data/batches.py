@@ -20,6 +20,7 @@ import numpy as np
 from infjax.data import packing
 from infjax.data.inf_ir import flatten_record, flatten_record_no_hard_negatives
 from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.errors import ConfigError
 
 
 def rows_per_record(hard_negatives: bool) -> int:
@@ -36,10 +37,10 @@ class BatchPlan:
 
     def __post_init__(self):
         if self.batch_size < 1:
-            raise ValueError(f"train.batch_size must be >= 1, got {self.batch_size}")
+            raise ConfigError(f"config.train.batch_size={self.batch_size}: must be >= 1")
         if self.num_records < self.batch_size:
-            raise ValueError(f"the training data has {self.num_records} records, fewer than one batch "
-                             f"(train.batch_size={self.batch_size})")
+            raise ConfigError(f"config.train.batch_size={self.batch_size}: the training data has only "
+                              f"{self.num_records} records, fewer than one batch")
 
     @property
     def steps_per_epoch(self) -> int:
@@ -70,10 +71,10 @@ class InstructionNegativeSampler:
         self.index = {t: i for i, t in enumerate(self.pool)}
         self.k, self.seed = k, seed
         if k < 0:
-            raise ValueError(f"loss.instruction_negatives must be >= 0, got {k}")
+            raise ConfigError(f"config.loss.instruction_negatives={k}: must be >= 0")
         if k > len(self.pool) - 1:
-            raise ValueError(f"loss.instruction_negatives={k} but the data has only {len(self.pool)} distinct "
-                             f"instructions ({len(self.pool) - 1} candidates per row)")
+            raise ConfigError(f"config.loss.instruction_negatives={k}: the data has only {len(self.pool)} distinct "
+                              f"instructions ({len(self.pool) - 1} candidates per row)")
 
     def sample(self, step: int, instructions: list[str]) -> list[list[str]]:
         rng = np.random.default_rng([self.seed, 7, step])

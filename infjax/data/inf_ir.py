@@ -26,13 +26,17 @@ Bad rows are never dropped silently.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import logging
 import os
 import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
+
+from infjax.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +101,7 @@ _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 # ---------------------------------------------------------------------------
 
 
-class BadRowError(ValueError):
+class BadRowError(UserError, ValueError):
     """A row of the corpus with a missing, non-string or empty field.
 
     Attributes:
@@ -123,7 +127,11 @@ class BadRowError(ValueError):
         return (type(self), (self.split, self.row, self.field, self.reason, self.column))
 
 
-class MissingColumnError(ValueError):
+class DataFileError(UserError, ValueError):
+    """A local data file that cannot be read as InF-IR rows; the message names the file and the line or byte."""
+
+
+class MissingColumnError(UserError, ValueError):
     """A source lacks a column the field map asks for (checked before reading rows).
 
     Attributes:
@@ -339,8 +347,10 @@ def _builder_for(path: str) -> str:
     try:
         return _BUILDER_BY_EXTENSION[ext]
     except KeyError:
-        raise ValueError(
-            f"unsupported InF-IR file {path!r}: expected one of {sorted(_BUILDER_BY_EXTENSION)}"
+        compressed = " (decompress it first)" if ext in (".gz", ".bz2", ".xz", ".zst", ".zip") else ""
+        raise DataFileError(
+            f"{path}: unsupported file type {ext or '(none)'!r}{compressed}; InF-IR data is read from "
+            f"{', '.join(sorted(_BUILDER_BY_EXTENSION))} files"
         ) from None
 
 
@@ -391,15 +401,76 @@ def _load_local(files: list[str], split: str):
 
     builders = {_builder_for(path) for path in files}
     if len(builders) > 1:
-        raise ValueError(f"InF-IR split {split!r}: cannot mix file formats in one split: {files}")
-    with tempfile.TemporaryDirectory(prefix="infjax-inf-ir-") as cache_dir:
-        return datasets.load_dataset(
-            builders.pop(),
-            data_files=files,
-            split="train",
-            cache_dir=cache_dir,
-            keep_in_memory=True,
-        )
+        raise DataFileError(f"InF-IR split {split!r}: cannot mix file formats in one split: {files}")
+    for path in files:
+        if os.path.getsize(path) == 0:
+            raise DataFileError(f"{path}: empty file (no rows)")
+    builder = builders.pop()
+    with tempfile.TemporaryDirectory(prefix="infjax-inf-ir-") as cache_dir, _quiet_datasets():
+        try:
+            dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir,
+                                            keep_in_memory=True)
+        except Exception as error:   # noqa: BLE001 - `datasets` wraps parse errors; find the file and line
+            for path in files:
+                problem = _first_problem(path)
+                if problem:
+                    raise DataFileError(f"{path}: {problem}") from None
+            cause = error
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise DataFileError(f"{', '.join(files)}: cannot be read as {builder} "
+                                f"({type(cause).__name__}: {str(cause)[:300]})") from error
+    if len(dataset) == 0:
+        raise DataFileError(f"{', '.join(files)}: no rows")
+    return dataset
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No progress bar or error log lines from `datasets` while it reads a local file (a failure is
+    reported once, by the caller, naming the file and line)."""
+    import datasets
+    from datasets.utils import logging as ds_logging
+
+    level, bars_off = ds_logging.get_verbosity(), datasets.are_progress_bars_disabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+        if not bars_off:
+            datasets.enable_progress_bars()
+
+
+def _first_problem(path: str) -> str | None:
+    """Where a .json / .jsonl file stops being UTF-8 JSON objects ("line N ..."), or None."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".jsonl"):
+        return None
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return f"line {line} (byte {e.start}): not UTF-8 text ({e.reason})"
+    if ext == ".json":
+        try:
+            json.loads(text)
+        except ValueError as e:
+            return f"line {e.lineno}: not valid JSON ({e.msg}, column {e.colno})"
+        return None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            return f"line {n}: not valid JSON ({e.msg}, column {e.colno})"
+        if not isinstance(row, dict):
+            return f"line {n}: a JSON {type(row).__name__}, not an object with the InF-IR fields"
+    return None
 
 
 def _load_hub(source: str, split: str):

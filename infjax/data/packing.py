@@ -23,10 +23,12 @@ from typing import Sequence
 
 import numpy as np
 
+from infjax.errors import UserError
+
 KEYS = ("ids", "mask", "text", "first", "last")
 
 
-class PackingOverflow(ValueError):
+class PackingOverflow(UserError, ValueError):
     """The texts of a shard do not fit its fixed packing capacity."""
 
 

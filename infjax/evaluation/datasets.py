@@ -47,6 +47,7 @@ from typing import Iterable
 
 from infjax.data import synthetic
 from infjax.data.types import FollowIRSplit
+from infjax.errors import UserError
 
 log = logging.getLogger("infjax.eval_data")
 
@@ -64,7 +65,7 @@ BEIR_METRICS = ("ndcg@10", "map@100", "recall@100", "mrr")
 FOLLOWIR_METRICS = ("map@1000", "ndcg@5")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A dataset that cannot be evaluated; the message names the file, field, line or id."""
 
 

@@ -26,11 +26,12 @@ import ml_collections
 import numpy as np
 
 from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.errors import UserError
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.models import hf_io
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.training.mesh import default_mesh, put, replicated
-from infjax.training.restore import load_run
+from infjax.training.restore import NonFiniteParams, check_finite, load_run
 
 log = logging.getLogger("infjax.model_sources")
 
@@ -38,7 +39,7 @@ MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
 DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # SPEC §1.3 reference defaults
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(UserError, ValueError):
     """A model source that cannot be loaded as asked; the message names the path or flag."""
 
 
@@ -214,6 +215,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     config = ml_collections.ConfigDict({"checkpoint": path, "family": "auto", "pooling": pooling,
                                         "shared_encoder": True, "dtype": dtype})
     encoder, params, path = load_encoder(config)
+    check_finite(params, f"--model={source}")
     pooling = encoder.pooling                                 # "auto" resolved
     max_pos = hf_io.load_hf_config(path).get("max_position_embeddings") or 8192
     qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
@@ -238,6 +240,10 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
     except ImportError:  # pragma: no cover - sentence-transformers needs torch
         device = "cpu"
     model = SentenceTransformer(folder, device=device)
+    for name, tensor in model.named_parameters():
+        if not bool(tensor.isfinite().all()):
+            raise NonFiniteParams(f"--model={source}: parameter {name} holds {int((~tensor.isfinite()).sum())} "
+                                  f"non-finite value(s) of {tensor.numel()}; the model is broken")
     # The folder's own prompts become the prefixes unless given; they are applied here, never twice.
     prompts = getattr(model, "prompts", {}) or {}
     if not prefixes_given[0] and prompts.get("query"):

@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from infjax.errors import ConfigError
 from infjax.models import hf_io, interaction
 from infjax.models.pooling import l2_normalize, pool, pool_packed
 from infjax.models.registry import Family, by_model_type
@@ -74,7 +75,7 @@ def detect_family(path: str, requested: str = "auto") -> Family:
     model_type = hf_io.load_hf_config(path).get("model_type", "bert")
     family = by_model_type(model_type, f"{path}/config.json")
     if requested not in ("auto", family.name):
-        raise ValueError(f"config.model.family={requested!r} but {path}/config.json has model_type {model_type!r}")
+        raise ConfigError(f"config.model.family={requested!r} but {path}/config.json has model_type {model_type!r}")
     return family
 
 

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from infjax.errors import UserError
 from infjax.models import layers as L
 from infjax.models.bert import BertConfig, BertModel
 
@@ -52,7 +53,7 @@ _IGNORABLE = re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)")
 _HF_PREFIX = "bert."
 
 
-class CheckpointNotFound(FileNotFoundError):
+class CheckpointNotFound(UserError, FileNotFoundError):
     """A checkpoint could not be found locally or fetched from the Hub."""
 
 

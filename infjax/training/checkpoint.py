@@ -15,10 +15,12 @@ import uuid
 import jax
 import orbax.checkpoint as ocp
 
+from infjax.errors import UserError
+
 log = logging.getLogger("infjax.checkpoint")
 
 
-class CheckpointReadError(RuntimeError):
+class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint step exists but cannot be read; the message names its folder."""
 
 
@@ -39,10 +41,14 @@ def check_writable(workdir: str, needed_bytes: int = 0) -> None:
         os.remove(probe)
     except OSError as e:
         raise PermissionError(f"--workdir={workdir} is not writable: {e.strerror or e}") from None
-    free = shutil.disk_usage(workdir).free
+    free = free_bytes(workdir)
     if needed_bytes and free < needed_bytes:
         raise OSError(f"--workdir={workdir}: {free / 2**30:.2f} GiB free, but one checkpoint needs about "
                       f"{needed_bytes / 2**30:.2f} GiB")
+
+
+def free_bytes(workdir: str) -> int:
+    return shutil.disk_usage(workdir).free
 
 
 def state_bytes(abstract_state) -> int:
@@ -52,6 +58,8 @@ def state_bytes(abstract_state) -> int:
 class Checkpoints:
     def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self._closed = False
+        self.pending: int | None = None      # the latest step whose save was started
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -68,11 +76,14 @@ class Checkpoints:
         return os.path.join(self.directory, str(step))
 
     def save(self, step: int, state, data_position: dict, config: dict) -> None:
+        """Start saving `step` (in the background with async_save). Orbax first waits for the previous
+        save, so an error raised here may be that one's: `pending` names the step whose save is open."""
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_position),
             config=ocp.args.JsonSave(config),
         ), force=True)
+        self.pending = step
 
     def saved_config(self, step: int) -> dict:
         try:
@@ -80,6 +91,30 @@ class Checkpoints:
         except Exception as e:   # noqa: BLE001 - any failure means the checkpoint cannot be used
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (config): "
                                       f"{type(e).__name__}: {e}") from e
+
+    def saved_data_position(self, step: int) -> dict:
+        """The data position saved with `step` (epoch, offset, data fingerprint), without reading the state."""
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+        except Exception as e:   # noqa: BLE001
+            raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (data position): "
+                                      f"{type(e).__name__}: {e}") from e
+
+    def complete_steps(self) -> list[int]:
+        """Steps whose folder was finished (Orbax renames a step's folder into place when it is complete)."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+
+    def remove_partial(self) -> list[str]:
+        """Delete the temporary folders of saves that did not finish; returns their names."""
+        if not os.path.isdir(self.directory):
+            return []
+        partial = sorted(n for n in os.listdir(self.directory) if ".orbax-checkpoint-tmp" in n)
+        for name in partial:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        return partial
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """The state at `step`, laid out as `abstract_state`'s shardings say, and the data position."""
@@ -132,5 +167,11 @@ class Checkpoints:
         return bool(self.manager.reached_preemption(step))
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the last asynchronous save, then close; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.manager.wait_until_finished()
+        finally:
+            self.manager.close()

@@ -5,6 +5,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from infjax.errors import ConfigError
+
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")     # the batch's leading dimension is split over both
 
@@ -14,7 +16,7 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
     sizes = [int(mesh_config[a]) for a in AXES]
     free = [i for i, s in enumerate(sizes) if s == -1]
     if len(free) > 1 or any(s < 1 and s != -1 for s in sizes):
-        raise ValueError(f"config.mesh {dict(zip(AXES, sizes))}: sizes must be >= 1, at most one -1")
+        raise ConfigError(f"config.mesh {dict(zip(AXES, sizes))}: sizes must be >= 1, at most one -1")
     if free:
         rest = int(np.prod([s for s in sizes if s != -1]))
         sizes[free[0]] = max(num_devices // rest, 1)
@@ -34,7 +36,7 @@ def make_mesh(mesh_config, devices=None) -> Mesh:
     data, fsdp, tensor = mesh_shape(mesh_config, len(devices))
     n = data * fsdp * tensor
     if n < 1 or n > len(devices):
-        raise ValueError(f"config.mesh (data={mesh_config['data']}, fsdp={mesh_config['fsdp']}, "
+        raise ConfigError(f"config.mesh (data={mesh_config['data']}, fsdp={mesh_config['fsdp']}, "
                          f"tensor={mesh_config['tensor']}) needs {n} devices, {len(devices)} available")
     return jax.make_mesh((data, fsdp, tensor), AXES, axis_types=(AxisType.Auto,) * 3, devices=devices[:n])
 

@@ -20,13 +20,14 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from infjax.errors import UserError
 from infjax.models import registry
 
 # Shared by every family: the Interaction II head (three d x d matrices) is small and replicated.
 HEAD_RULES = ((r"^interaction/", P()),)
 
 
-class NoRuleError(ValueError):
+class NoRuleError(UserError, ValueError):
     """A parameter that no partition rule matches; the message names it."""
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 
+from infjax.errors import UserError
 from infjax.models.encoder import Encoder, load_encoder
 from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib
 
@@ -17,6 +20,30 @@ class RunModel:
     params: dict                        # {"shared": tree} or {"query": tree, "passage": tree}
     base_path: str                      # the HF folder the run started from (tokenizer, config.json)
     step: int
+
+
+class NonFiniteParams(UserError):
+    """A saved model with NaN or infinite parameters: nothing should be exported or evaluated from it."""
+
+
+def first_nonfinite(tree) -> tuple[str, int, int] | None:
+    """(path, non-finite count, size) of the first floating-point leaf of `tree` holding NaN or inf, else None."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            continue
+        bad = int(jax.device_get(jnp.sum(~jnp.isfinite(leaf))))
+        if bad:
+            return jax.tree_util.keystr(path, simple=True, separator="/"), bad, int(leaf.size)
+    return None
+
+
+def check_finite(params, where: str) -> None:
+    """Refuse parameters holding NaN or inf, naming the first bad tensor."""
+    found = first_nonfinite(params)
+    if found:
+        name, bad, size = found
+        raise NonFiniteParams(f"{where}: parameter {name} holds {bad} non-finite value(s) of {size}; the model "
+                              f"is broken (train with a finite learning rate; resume from an earlier step)")
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -46,4 +73,5 @@ def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
         state, _ = ckpts.restore(step, abstract)
     finally:
         ckpts.close()
+    check_finite(state.params, f"{workdir} step {step}")
     return RunModel(config, encoder, state.params, base_path, step)

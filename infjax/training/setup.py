@@ -7,6 +7,8 @@ that trains.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import time
 
@@ -16,6 +18,7 @@ from infjax import losses
 from infjax.data import batches, synthetic
 from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
 from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.errors import ConfigError
 from infjax.models import hf_io
 from infjax.models.encoder import Encoder
 from infjax.training import mesh as mesh_lib
@@ -41,6 +44,16 @@ def load_training_records(data_config) -> list[dict]:
     return records
 
 
+def data_fingerprint(records: list[dict]) -> dict:
+    """{"records": count, "hash": 16 hex digits over every field of every record, in order}: a changed,
+    added, removed or reordered record changes it. About 0.1 s per 100k records."""
+    h = hashlib.blake2b(digest_size=8)
+    for record in records:
+        h.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode())
+        h.update(b"\x00")
+    return {"records": len(records), "hash": h.hexdigest()}
+
+
 def make_objective(config) -> losses.Objective:
     """The paper's objective named by `config.objective` (or the reference code's reading of the name)."""
     if config.loss.convention == "reference":
@@ -64,7 +77,7 @@ def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: 
     max_positions = hf_io.load_hf_config(model_path).get("max_position_embeddings")
     for key in ("query_max_len", "passage_max_len"):
         if max_positions and config.data[key] > max_positions:
-            raise ValueError(f"config.data.{key}={config.data[key]} exceeds the model's max_position_embeddings="
+            raise ConfigError(f"config.data.{key}={config.data[key]} exceeds the model's max_position_embeddings="
                              f"{max_positions} ({model_path}/config.json)")
     tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
     fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)

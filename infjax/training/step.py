@@ -13,6 +13,10 @@ from infjax.training.mesh import batch_sharding, replicated
 from infjax.training.state import TrainState
 
 
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]))
+
+
 def make_grad_fn(encoder: Encoder, objective: losses.Objective, dropout: bool = False, chunk_size: int = 0,
                  mesh: Mesh | None = None):
     """grad_fn(params, batch, rng) -> ((loss, metrics), grads): plain autodiff, or gradient caching
@@ -33,8 +37,9 @@ def make_train_step(encoder: Encoder, objective: losses.Objective, optimizer: op
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         update_norm, param_norm = optax.tree.norm(updates), optax.tree.norm(params)
-        # A non-finite loss or gradient never reaches the parameters or the optimizer moments.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A non-finite loss, gradient or update (e.g. a learning rate past float32's range) never reaches
+        # the parameters or the optimizer moments.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, update_norm=update_norm, param_norm=param_norm,
                        learning_rate=schedule(state.step), finite=finite)

@@ -1,0 +1,96 @@
+"""What can go wrong for a user, and how every entry point reports it.
+
+Two kinds of failure reach a command line:
+
+- `UserError`: input that cannot work (a flag, a config key, a data file or
+  row, a run folder). The message names the thing to change. Exit status 2.
+- `RunStopped`: a run that started and had to stop for a cause the user must
+  look at (a non-finite step under train.nonfinite=stop, a full disk). The
+  message says what is kept (the last good checkpoint). Exit status 3.
+
+Every error class of the package that describes bad input derives from
+`UserError`, so an entry point needs one handler, `reported(prog)`: one line
+on stderr, the exit status, no traceback. Anything else is a bug and keeps its
+traceback. Ctrl-C exits 130 with one line.
+
+This module imports nothing of infjax: every layer may raise its errors.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import sys
+
+
+class UserError(Exception):
+    """Input that cannot work; the message names the flag, key, file, row or field to change."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+    """A config value that cannot work; the message names the key (config.a.b=value)."""
+
+
+class RunStopped(Exception):
+    """A started run stopped for a cause the user must look at; the message says what was kept."""
+
+    exit_code = 3
+
+
+# Built-in errors whose message already names the path (FileNotFoundError: [Errno 2] ...: 'x').
+_PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError)
+_DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS)
+EXIT_INTERRUPTED = 130
+
+
+def describe(error: BaseException) -> str:
+    """The one-line (or few-line) message of `error` as a user sees it."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        where = f" writing {error.filename}" if error.filename else ""
+        return f"no space left on the device{where}: {error.strerror or error}"
+    if isinstance(error, _PATH_ERRORS) and error.strerror and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    return str(error) or type(error).__name__
+
+
+def exit_code(error: BaseException) -> int | None:
+    """The exit status for an error an entry point reports in one line; None for a bug (keep the traceback)."""
+    if isinstance(error, (UserError, RunStopped)):
+        return error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(error, OSError):
+        # A full disk or a failing device stops a run; any other OSError (a missing or unreadable file, a
+        # library's "cannot load ..." message) is about the input.
+        return RunStopped.exit_code if error.errno in _DEVICE_ERRNOS else UserError.exit_code
+    return None
+
+
+def report(prog: str, error: BaseException, log=None) -> int | None:
+    """Print `error` as one line and return its exit status; None (nothing printed) for a bug.
+
+    `log` (a logging.Logger) is used instead of stderr when given, so the line carries
+    the time stamp and prefix of the run's other lines.
+    """
+    code = exit_code(error)
+    if code is None:
+        return None
+    message = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else describe(error)
+    if log is not None:
+        log.error("%s", message)
+    else:
+        print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
+@contextlib.contextmanager
+def reported(prog: str, log=None):
+    """The body of an entry point: a reportable error becomes one line and SystemExit(status)."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - report() sorts reportable errors from bugs
+        code = report(prog, e, log)
+        if code is None:
+            raise
+        raise SystemExit(code) from None

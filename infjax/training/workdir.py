@@ -1,0 +1,149 @@
+"""The run folder's own files besides checkpoints: the lock that keeps one run per workdir, and metrics.jsonl.
+
+Only process 0 touches them (one writer per file); the other processes get
+no-op objects, so callers need no rank checks.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import os
+import socket
+
+from infjax.errors import UserError
+
+log = logging.getLogger("infjax.workdir")
+
+LOCK_FILE = ".infjax.lock"
+METRICS_FILE = "metrics.jsonl"
+
+
+class WorkdirBusy(UserError):
+    """Another live run holds the workdir's lock."""
+
+
+class WorkdirLock:
+    """An exclusive `flock` on WORKDIR/.infjax.lock for the lifetime of a run (a context manager).
+
+    The kernel drops a flock when its process dies, however it dies, so a lock
+    file that still names a holder but can be locked was left by a run that
+    ended without releasing it: it is reported (who, where, since when) and
+    taken over. A clean release empties the file. A workdir this lock created
+    and that holds nothing else on release is removed, so a run refused before
+    it wrote anything leaves no folder behind.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.workdir, self.enabled = workdir, enabled
+        self.path = os.path.join(workdir, LOCK_FILE)
+        self._fd: int | None = None
+        self._created = False
+
+    def __enter__(self) -> "WorkdirLock":
+        if not self.enabled:
+            return self
+        if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+            raise UserError(f"--workdir={self.workdir} exists and is not a folder")
+        self._created = not os.path.exists(self.workdir)
+        try:
+            os.makedirs(self.workdir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise PermissionError(f"--workdir={self.workdir} is not writable: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read(fd)
+            os.close(fd)
+            raise WorkdirBusy(f"--workdir={self.workdir} is in use by another run ({_describe(holder)}); wait "
+                              f"for it to end or choose another --workdir") from None
+        stale = _read(fd)
+        if stale:
+            log.warning("%s: taking over the lock of a run that ended without releasing it (%s)", self.path,
+                        _describe(stale))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "started": datetime.datetime.now().isoformat(timespec="seconds")}).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self._fd is None:
+            return False
+        os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
+            os.remove(self.path)
+            os.rmdir(self.workdir)
+        return False
+
+
+def _read(fd: int) -> dict:
+    try:
+        data = os.pread(fd, 4096, 0)
+        return json.loads(data) if data.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+
+
+def _describe(holder: dict) -> str:
+    if not holder:
+        return "holder unknown"
+    if holder.get("unreadable"):
+        return "lock file unreadable"
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
+
+
+class MetricsLog:
+    """WORKDIR/metrics.jsonl: one JSON object per logged step or evaluation, each step once.
+
+    `start(step)` prepares the file for a run that begins after `step`: a fresh
+    run (step 0) never appends to an earlier run's file (that file is renamed
+    metrics.jsonl.<time>.old and kept); a resumed run drops the records written
+    after its checkpoint's step (they are written again as the steps re-run).
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, METRICS_FILE)
+
+    def start(self, step: int) -> None:
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        if step == 0:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            aside = f"{self.path}.{stamp}.old"
+            os.replace(self.path, aside)
+            log.warning("%s belonged to an earlier run without checkpoints; kept as %s", self.path, aside)
+            return
+        kept, dropped = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    record_step = json.loads(line).get("step", 0)
+                except ValueError:          # a line cut off by a kill: it belongs to no completed step
+                    dropped += 1
+                    continue
+                if record_step <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += 1
+        if dropped:
+            tmp = self.path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(tmp, self.path)
+            log.info("%s: dropped %d record(s) written after step %d (the resumed steps write them again)",
+                     self.path, dropped, step)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")

