@@ -249,6 +249,8 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
             batch = mesh_lib.global_batch(build(step), mesh)
             state, metrics = train_step(state, batch)
             rows_since += build.global_rows
+            if ckpts.pending is not None:      # a background save that failed stops the run now, not at the next
+                poll_saves(ckpts)
             done = step + 1
             if config.train.nonfinite == "stop" and not bool(metrics["finite"]):
                 pos = plan.position(step)
@@ -307,6 +309,13 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
         raise _save_failed(ckpts, ckpts.pending or step, e) from e
 
 
+def poll_saves(ckpts: checkpoint.Checkpoints) -> None:
+    try:
+        ckpts.check_for_errors()
+    except Exception as e:  # noqa: BLE001
+        raise _save_failed(ckpts, ckpts.pending, e) from e
+
+
 def close_checkpoints(ckpts: checkpoint.Checkpoints, workdir: str, quiet: bool = False) -> None:
     """Wait for the last asynchronous save and close the manager (idempotent).
 
@@ -326,6 +335,10 @@ def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Excepti
             break
         cause = cause.__cause__ or cause.__context__
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)   # the failed writes' orphaned futures, at exit
+    try:
+        ckpts.close()         # let the background writers stop before their folders are removed
+    except Exception:  # noqa: BLE001, S110 - the same failure, reported here
+        pass
     removed = ckpts.remove_partial() if jax.process_index() == 0 else []
     last = ckpts.complete_steps()
     return CheckpointSaveError(

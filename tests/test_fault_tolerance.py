@@ -3,6 +3,7 @@ non-finite steps, incompatible config changes."""
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def wait_for_step(workdir, step, proc, timeout=300):
     raise AssertionError(f"step {step} not reached in {timeout}s")
 
 
+@pytest.mark.slow      # 3 subprocess runs; in CI (.ci/run runs -m slow). MetricsLog's unit test covers the file
 def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
     whole = start_cli(tmp_path / "whole", "--config.train.steps=8")
     assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
@@ -103,9 +105,9 @@ def _damage(step_dir):
             open(os.path.join(root, name), "w").close()      # truncate every file of the saved arrays
 
 
-def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(tmp_path, caplog):
-    workdir = str(tmp_path)
-    train.run(small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False}), workdir)
+def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(four_step_run, tmp_path, caplog):
+    workdir = str(tmp_path / "run")
+    shutil.copytree(four_step_run[0], workdir)          # steps 2 and 4 saved
     os.makedirs(os.path.join(workdir, "checkpoints", "6.orbax-checkpoint-tmp-1234", "state"))  # a cut-off save
     assert checkpoint.Checkpoints(workdir).latest_step() == 4
     _damage(os.path.join(workdir, "checkpoints", "4"))
@@ -199,6 +201,7 @@ def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monk
     assert [l["skipped_steps"] for l in lines] == [0, 0, 1]
 
 
+@pytest.mark.slow      # in CI (.ci/run runs -m slow); the skip variant runs by default
 def test_injected_inf_step_stops_the_run_naming_the_step(tmp_path, monkeypatch):
     _poison_step(monkeypatch, poisoned_step=1)
     with pytest.raises(train.NonFiniteError, match=r"at step 1 \(epoch 0, batch 1 of the epoch, records \["):

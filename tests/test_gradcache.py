@@ -49,7 +49,8 @@ def _batch_and_fns(config, mesh, chunk_size):
 
 @pytest.mark.parametrize("objective, interaction, mesh_shape", [
     ("multi_piiq", "concat", (8, 1)),            # P, IQ and I sets; instruction negatives iq_neg [R, K, d]
-    ("uni_piiq", "cross_attention", (2, 4)),     # Interaction II: i_vec, query token states, p; fsdp params
+    pytest.param("uni_piiq", "cross_attention", (2, 4), marks=pytest.mark.slow),   # Interaction II: i_vec, query
+    # token states, p; fsdp params (slow: in CI)
 ])
 def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape):
     config = small_config(objective, **{"model.interaction": interaction, "mesh.data": mesh_shape[0],

@@ -73,9 +73,6 @@ def test_an_update_past_float32_range_never_reaches_the_parameters(tmp_path):
     assert int(result.state.skipped) == 2
     saved = load_run(str(tmp_path / "skip"))             # step 2: the base model, finite
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved.params))
-    with pytest.raises(train.NonFiniteError, match="updated parameters at step 0"):
-        train.run(small_config(**{"train.learning_rate": 1e39, "train.steps": 2, "eval.synthetic": False,
-                                  "train.nonfinite": "stop"}), str(tmp_path / "stop"))
 
 
 def _poisoned_copy(workdir, tmp_path):
@@ -309,11 +306,11 @@ def test_disk_filling_during_the_run_stops_naming_the_last_complete_checkpoint(t
     # plenty of room at start-up and for the first save, then (another job filled the disk) 1 MiB
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 2**40 if not saves else 2**20)
     workdir = str(tmp_path / "w")
-    config = small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False})
-    with pytest.raises(train.CheckpointSaveError, match=r"cannot save checkpoint 4 .*0.00 GiB free.*the last "
-                                                        r"complete checkpoint is .*checkpoints/2 \(resume"):
+    config = small_config(**{"train.steps": 2, "checkpoint.every": 1, "eval.synthetic": False})
+    with pytest.raises(train.CheckpointSaveError, match=r"cannot save checkpoint 2 .*0.00 GiB free.*the last "
+                                                        r"complete checkpoint is .*checkpoints/1 \(resume"):
         train.run(config, workdir)
-    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1"]
     assert errors.exit_code(train.CheckpointSaveError("x")) == 3
 
 

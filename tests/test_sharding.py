@@ -110,6 +110,7 @@ def _two_steps(config, mesh):
     return seen, jax.device_get(state.params), state
 
 
+@pytest.mark.slow      # two compiled steps; in CI (.ci/run runs -m slow)
 def test_fsdp_step_equals_the_replicated_step():
     config = small_config()
     base_losses, base_params, _ = _two_steps(config, _mesh(8, 1))

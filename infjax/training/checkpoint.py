@@ -85,6 +85,10 @@ class Checkpoints:
         ), force=True)
         self.pending = step
 
+    def check_for_errors(self) -> None:
+        """Raise the error of an asynchronous save that failed in the background (cheap; no wait)."""
+        self.manager.check_for_errors()
+
     def saved_config(self, step: int) -> dict:
         try:
             return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
