@@ -14,3 +14,38 @@ import pytest  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take minutes (deselect with -m 'not slow')")
+
+
+@pytest.fixture(scope="session")
+def four_step_run(tmp_path_factory):
+    """One small run shared by the fault-tolerance and hardening tests (copy it before changing it).
+
+    4 steps on a local jsonl of 24 records, checkpoints at steps 2 and 4, a metrics record per step,
+    started in a workdir that already held an older run's metrics.jsonl (and no checkpoints).
+    Returns (workdir, TrainResult, config, data file).
+    """
+    import json
+
+    from infjax import train
+    from infjax.data import synthetic
+    from tests.test_train import small_config
+
+    root = tmp_path_factory.mktemp("four_step_run")
+    data = str(root / "msmarco.jsonl")
+    with open(data, "w", encoding="utf-8") as f:
+        for record in synthetic.make_train_records(24, seed=3):
+            f.write(json.dumps(record) + "\n")
+    workdir = str(root / "run")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 7, "loss": 123.0}) + "\n")
+    config = small_config(**{"data.source": data, "train.steps": 4, "checkpoint.every": 2, "log_every": 1,
+                             "eval.synthetic": False})
+    return workdir, train.run(config, workdir), config, data
+
+
+def changed(config, **overrides):
+    """A copy of `config` with dotted-key overrides ("train.steps": 5)."""
+    from infjax import config as config_lib
+
+    return config_lib.override(config.copy_and_resolve_references(), overrides)

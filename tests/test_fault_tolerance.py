@@ -20,6 +20,7 @@ from infjax import config as config_lib, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.training import checkpoint, embed as embed_lib  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
+from tests.conftest import changed  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -92,13 +93,6 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert f"checkpoints/{step} is saved" in out
 
 
-@pytest.fixture(scope="module")
-def four_step_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("ft"))
-    config = small_config(**{"train.steps": 4, "checkpoint.every": 2, "eval.synthetic": False})
-    return workdir, train.run(config, workdir)
-
-
 def _damage(step_dir):
     for root, _, files in os.walk(os.path.join(step_dir, "state")):
         for name in files:
@@ -108,19 +102,20 @@ def _damage(step_dir):
 def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(four_step_run, tmp_path, caplog):
     workdir = str(tmp_path / "run")
     shutil.copytree(four_step_run[0], workdir)          # steps 2 and 4 saved
+    config = four_step_run[2]
     os.makedirs(os.path.join(workdir, "checkpoints", "6.orbax-checkpoint-tmp-1234", "state"))  # a cut-off save
     assert checkpoint.Checkpoints(workdir).latest_step() == 4
     _damage(os.path.join(workdir, "checkpoints", "4"))
-    more = {"train.steps": 5, "checkpoint.every": 2, "eval.synthetic": False, "resume": True}
+    more = {"train.steps": 5, "resume": True}
     with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoints/4 cannot be read"):
-        train.run(small_config(**more), workdir)
+        train.run(changed(config, **more), workdir)
     with caplog.at_level(logging.INFO):
-        result = train.run(small_config(**more, **{"checkpoint.fallback": True}), workdir)
+        result = train.run(changed(config, **more, **{"checkpoint.fallback": True}), workdir)
     assert "resumed from step 2" in caplog.text and result.final_step == 5
 
 
 def test_restore_onto_four_devices_gives_identical_parameters(four_step_run):
-    workdir, result = four_step_run
+    workdir, result = four_step_run[:2]
     final = jax.device_get(result.state.params)
     mesh = jax.make_mesh((4, 1, 1), ("data", "fsdp", "tensor"), devices=jax.devices()[:4],
                          axis_types=(jax.sharding.AxisType.Auto,) * 3)
@@ -132,24 +127,19 @@ def test_restore_onto_four_devices_gives_identical_parameters(four_step_run):
 
 
 def test_resume_on_a_smaller_mesh(four_step_run, tmp_path):
-    import shutil
-
-    workdir, _ = four_step_run
+    workdir, config = four_step_run[0], four_step_run[2]
     copy = str(tmp_path / "copy")
     shutil.copytree(workdir, copy)
-    result = train.run(small_config(**{"train.steps": 5, "eval.synthetic": False, "resume": True,
-                                       "mesh.data": 4}), copy)
+    result = train.run(changed(config, **{"train.steps": 5, "resume": True, "mesh.data": 4}), copy)
     assert result.final_step == 5
 
 
 def test_changed_model_on_resume_is_refused_with_the_key(four_step_run, tmp_path):
-    import shutil
-
-    workdir, _ = four_step_run
+    workdir = four_step_run[0]
     copy = str(tmp_path / "copy")
     shutil.copytree(workdir, copy)
-    config = small_config(**{"train.steps": 5, "eval.synthetic": False, "resume": True,
-                             "model.pooling": "cls", "loss.temperature": 0.02})
+    config = changed(four_step_run[2], **{"train.steps": 5, "resume": True, "model.pooling": "cls",
+                                          "loss.temperature": 0.02})
     with pytest.raises(config_lib.ConfigError) as err:
         train.run(config, copy)
     assert "model.pooling: 'mean' -> 'cls'" in str(err.value) and "loss.temperature" in str(err.value)
@@ -187,6 +177,7 @@ def _poison_step(monkeypatch, poisoned_step):
     monkeypatch.setattr(embed_lib, "make_loss_fn", make_loss_fn)
 
 
+@pytest.mark.slow      # in CI (.ci/run runs -m slow); an inf update is skipped in test_hardening by default
 def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monkeypatch):
     _poison_step(monkeypatch, poisoned_step=2)            # the third step
     workdir = str(tmp_path)

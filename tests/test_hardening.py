@@ -20,6 +20,7 @@ from infjax.data import inf_ir, synthetic  # noqa: E402
 from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, workdir as workdir_lib  # noqa: E402
 from infjax.training.restore import NonFiniteParams, load_run  # noqa: E402
 from infjax.training.setup import data_fingerprint  # noqa: E402
+from tests.conftest import changed  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,22 +37,6 @@ def steps_in(workdir):
     """The step of every training record of metrics.jsonl, in file order (evaluation records excluded)."""
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [r["step"] for r in map(json.loads, f) if "loss" in r]
-
-
-@pytest.fixture(scope="module")
-def file_run(tmp_path_factory):
-    """A 4-step run on a local jsonl of 24 records, started in a workdir that holds an older run's
-    metrics.jsonl but no checkpoints."""
-    root = tmp_path_factory.mktemp("hardening")
-    data = write_records(root / "msmarco.jsonl", synthetic.make_train_records(24, seed=3))
-    workdir = str(root / "run")
-    os.makedirs(workdir)
-    with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
-        f.write(json.dumps({"step": 7, "loss": 123.0}) + "\n")
-    config = small_config(**{"data.source": data, "train.steps": 4, "checkpoint.every": 2, "log_every": 1,
-                             "eval.synthetic": False})
-    train.run(config, workdir)
-    return workdir, data, config
 
 
 # ------------------------------------------------------------------ non-finite knobs, updates, parameters
@@ -95,8 +80,8 @@ def _poisoned_copy(workdir, tmp_path):
     return copy
 
 
-def test_export_and_evaluate_refuse_non_finite_parameters_naming_the_tensor(file_run, tmp_path, capsys):
-    copy = _poisoned_copy(file_run[0], tmp_path)
+def test_export_and_evaluate_refuse_non_finite_parameters_naming_the_tensor(four_step_run, tmp_path, capsys):
+    copy = _poisoned_copy(four_step_run[0], tmp_path)
     with pytest.raises(NonFiniteParams, match=r"step 5: parameter shared/.* holds 1 non-finite value"):
         load_run(copy)
     out = tmp_path / "out"
@@ -109,8 +94,8 @@ def test_export_and_evaluate_refuse_non_finite_parameters_naming_the_tensor(file
 # ------------------------------------------------------------------ metrics.jsonl
 
 
-def test_a_fresh_run_never_appends_to_an_earlier_runs_metrics(file_run):
-    workdir = file_run[0]
+def test_a_fresh_run_never_appends_to_an_earlier_runs_metrics(four_step_run):
+    workdir = four_step_run[0]
     assert steps_in(workdir) == [1, 2, 3, 4]
     old = [n for n in os.listdir(workdir) if n.startswith("metrics.jsonl.") and n.endswith(".old")]
     assert len(old) == 1 and json.loads(open(os.path.join(workdir, old[0])).read())["step"] == 7
@@ -128,8 +113,8 @@ def test_resume_drops_the_records_written_after_the_checkpoint(tmp_path):
 # ------------------------------------------------------------------ training data fingerprint
 
 
-def test_resume_on_changed_data_is_refused_naming_both_fingerprints(file_run, tmp_path, caplog):
-    workdir, data, config = file_run
+def test_resume_on_changed_data_is_refused_naming_both_fingerprints(four_step_run, tmp_path, caplog):
+    workdir, _, config, data = four_step_run
     copy = str(tmp_path / "run")
     shutil.copytree(workdir, copy)
     records = [json.loads(line) for line in open(data)]
@@ -137,7 +122,7 @@ def test_resume_on_changed_data_is_refused_naming_both_fingerprints(file_run, tm
     write_records(data, records[:16])                       # the file edited between the runs
     after = data_fingerprint(inf_ir.load_inf_ir(data, "msmarco"))
     try:
-        more = config_lib.override(config.copy_and_resolve_references(), {"resume": True, "train.steps": 5})
+        more = changed(config, **{"resume": True, "train.steps": 5})
         with pytest.raises(errors.ConfigError, match=rf"training data changed.*then 24 records, hash "
                                                      rf"{before['hash']}; now 16 records, hash {after['hash']}"):
             train.run(more, copy)

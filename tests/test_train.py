@@ -123,6 +123,7 @@ def test_loss_and_gradients_do_not_depend_on_device_count():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
 
 
+@pytest.mark.slow      # in CI (.ci/run runs -m slow); the shared four_step_run trains from a local jsonl
 def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
     """A local InF-IR file whose P+ column is the older `document` name trains through field_map=auto."""
     from infjax.data import synthetic
