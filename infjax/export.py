@@ -34,6 +34,7 @@ from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
 from infjax.models import hf_io
 from infjax.models.registry import FAMILIES
+from infjax.training import storage
 from infjax.training.restore import check_finite, load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -100,38 +101,6 @@ def parse_size(text: str | int) -> int:
 # --------------------------------------------------------------------------
 
 
-def save_safetensors(folder: str, tensors: Mapping[str, np.ndarray], max_shard_size: int) -> list[str]:
-    """Write ``model.safetensors``, or shards and ``model.safetensors.index.json`` above ``max_shard_size``.
-
-    Shards are filled in the order of ``tensors``; a tensor larger than the
-    limit gets a shard of its own. Returns the written file names.
-    """
-    from safetensors.numpy import save_file
-
-    metadata = {"format": "pt"}
-    total = sum(int(t.nbytes) for t in tensors.values())
-    if total <= max_shard_size:
-        save_file(dict(tensors), os.path.join(folder, hf_io.SAFETENSORS_FILE), metadata=metadata)
-        return [hf_io.SAFETENSORS_FILE]
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, value in tensors.items():
-        if shards[-1] and size + value.nbytes > max_shard_size:
-            shards.append({})
-            size = 0
-        shards[-1][name] = value
-        size += int(value.nbytes)
-    files, weight_map = [], {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(folder, name), metadata=metadata)
-        weight_map.update({k: name for k in shard})
-        files.append(name)
-    _write_json(os.path.join(folder, hf_io.SAFETENSORS_INDEX),
-                {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files + [hf_io.SAFETENSORS_INDEX]
-
-
 def _write_json(path: str, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2)
@@ -192,7 +161,7 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
     architecture = FAMILIES[family].architecture
     os.makedirs(folder, exist_ok=True)
     _write_json(os.path.join(folder, "config.json"), export_config(hf_config, architecture))
-    save_safetensors(folder, tensors, max_shard_size)
+    hf_io.save_safetensors(folder, tensors, max_shard_size)
     write_tokenizer(folder, base_path, padding_side)
     write_sentence_transformers_files(folder, hf_config["hidden_size"], pooling, max_seq_length,
                                       query_prefix, passage_prefix)
@@ -252,18 +221,23 @@ scores = q @ p.T
 
 def is_export(folder: str) -> bool:
     """Whether `folder` was written by infjax.export (its marker file, or the README of older exports)."""
-    if os.path.isfile(os.path.join(folder, MARKER_FILE)):
+    if storage.exists(storage.join(folder, MARKER_FILE)):
         return True
     try:
-        with open(os.path.join(folder, "README.md"), encoding="utf-8") as f:
-            return f.readline().rstrip("\n") == _README_TITLE
+        return storage.read_text(storage.join(folder, "README.md")).split("\n", 1)[0] == _README_TITLE
     except (OSError, UnicodeDecodeError):
         return False
 
 
+def _resolved(path: str) -> str:
+    return path.rstrip("/") if storage.is_remote(path) else os.path.realpath(path)
+
+
 def _overlaps(a: str, b: str) -> bool:
-    """Whether folder `a` is `b`, lies inside `b`, or contains `b` (after resolving links)."""
-    a, b = os.path.realpath(a), os.path.realpath(b)
+    """Whether folder `a` is `b`, lies inside `b`, or contains `b` (after resolving links; URLs as written)."""
+    a, b = _resolved(a), _resolved(b)
+    if storage.is_remote(a) or storage.is_remote(b):
+        return a == b or a.startswith(b + "/") or b.startswith(a + "/")
     return os.path.commonpath([a, b]) in (a, b)
 
 
@@ -274,13 +248,13 @@ def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
     (never a folder export did not write), and with `source` (the run's workdir) DIR must not be
     the run, contain it, or lie inside it when something would be replaced.
     """
-    if os.path.exists(out) and not os.path.isdir(out):
+    if storage.exists(out) and not storage.isdir(out):
         raise ExportError(f"--out={out} exists and is not a folder")
     if source is not None and _overlaps(out, source) and (
-            os.path.realpath(out) == os.path.realpath(source) or os.path.exists(out)):
+            _resolved(out) == _resolved(source) or storage.exists(out)):
         raise ExportError(f"--out={out} is, contains or lies inside the run being exported (--workdir={source}); "
                           f"export never writes over a run: choose a folder outside it")
-    if os.path.isdir(out) and os.listdir(out):
+    if storage.listdir(out):
         if not overwrite:
             raise ExportError(f"--out={out} is not empty; pass --overwrite to replace an earlier export, "
                               f"or choose another folder")
@@ -288,6 +262,22 @@ def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
             raise ExportError(f"--out={out} is not empty and was not written by infjax.export (no {MARKER_FILE}); "
                               f"--overwrite only replaces an earlier export: remove the folder yourself or "
                               f"choose another one")
+
+
+def _upload(tmp: str, out: str) -> None:
+    """Object-store --out: an earlier export there is deleted, then the finished local ``tmp`` folder is
+    uploaded, its marker file last (object stores have no rename: a reader that finds the marker finds
+    a complete export)."""
+    if storage.exists(out):
+        storage.rmtree(out)
+    marker = os.path.join(tmp, MARKER_FILE)
+    aside = tempfile.mkdtemp(prefix="infjax-export-marker-")
+    os.rename(marker, os.path.join(aside, MARKER_FILE))
+    try:
+        storage.copy_tree(tmp, out)
+        storage.copy_tree(aside, out)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _publish(tmp: str, out: str) -> None:
@@ -316,9 +306,11 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
 
     Builds everything in a temporary folder next to ``out`` and renames it
     into place; on any failure the temporary folder is removed and ``out`` is
-    left as it was. Returns ``out``.
+    left as it was. An object-store ``out`` (gs://...) is built in a local
+    temporary folder and uploaded (see `_upload`). Returns ``out``.
     """
-    out = os.path.abspath(os.path.expanduser(out))
+    out = storage.absolute(out)
+    remote = storage.is_remote(out)
     shard_bytes = parse_size(max_shard_size)
     _check_out(out, overwrite, run or None)
     check_finite(params, f"export of {run or 'the given parameters'}" + (f" step {step}" if step is not None else ""))
@@ -332,8 +324,9 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
         parts = {"query": (params["query"], query_max_len), "passage": (params["passage"], passage_max_len)}
     else:
         raise ExportError(f"parameters must hold 'shared' or 'query' and 'passage', got {sorted(params)}")
-    parent = os.path.dirname(out)
-    os.makedirs(parent, exist_ok=True)
+    parent = None if remote else os.path.dirname(out)
+    if parent is not None:
+        os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
@@ -356,22 +349,27 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
                                 query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step)
                     + (INTERACTION_README if head is not None else ""))
-        _write_json(os.path.join(tmp, MARKER_FILE), {"run": os.path.abspath(run) if run else None, "step": step,
+        _write_json(os.path.join(tmp, MARKER_FILE), {"run": storage.absolute(run) if run else None, "step": step,
                                                     "base": base or base_path, "family": family})
-        _publish(tmp, out)
+        if remote:
+            _upload(tmp, out)
+        else:
+            _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if remote:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> str:
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
-    out_abs = os.path.abspath(os.path.expanduser(out))
+    out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
     parse_size(max_shard_size)
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
-    run = load_run(workdir, step)
+    run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
     config = run.config
     return export_model(
         out_abs, family=run.encoder.family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),
@@ -385,9 +383,11 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m infjax.export",
                                      description="Export an infjax run as a Hugging Face / sentence-transformers folder.")
-    parser.add_argument("--workdir", required=True, help="run directory (holds checkpoints/<step>)")
+    parser.add_argument("--workdir", required=True, help="run directory (holds checkpoints/<step>); a local "
+                        "folder or an object-store URL (gs://bucket/runs/x)")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--out", required=True, help="output folder DIR (must be empty unless --overwrite)")
+    parser.add_argument("--out", required=True, help="output folder DIR, local or gs://... (must be empty "
+                        "unless --overwrite)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     parser.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="shard model.safetensors above this size (default 5GB)")

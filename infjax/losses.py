@@ -167,14 +167,23 @@ def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.
     return combine(objective, objective_logits(objective, iq, p, iq_neg, i_cos, i_valid))
 
 
+REFERENCE_TEMPERATURE_OFFSET = 1e-4   # the reference code computes sim / (tau + 1e-4)
+
+
 def reference_objective(name: str, temperature: float = 0.05) -> Objective:
     """The reference PyTorch code's definition of objective `name`, in our terms (SPEC §3).
 
     Its "univariate" is one softmax over the concatenated blocks with the
     positive's duplicates masked: our multivariate with `positive_once`. Its
-    "multivariate" is a sum of separate cross-entropies: our univariate. (It
-    also divides by tau + 1e-4: pass temperature=tau + 1e-4 to match its numbers.)
+    "multivariate" is a sum of separate cross-entropies: our univariate. It
+    divides similarities by tau + 1e-4, so the returned objective's
+    temperature is `temperature` + REFERENCE_TEMPERATURE_OFFSET: with it the
+    loss numbers equal the reference's. (The reference also multiplies its
+    loss by the data-parallel world size before backward; under the gradient
+    averaging of DDP that gives the gradient of the global-batch mean, which
+    is what infjax computes, so only the logged loss differs by that factor.)
     """
+    temperature = temperature + REFERENCE_TEMPERATURE_OFFSET
     ours = Objective.from_name(name, temperature)
     if len(ours.sets) == 1:
         return ours

@@ -28,7 +28,8 @@ from infjax import config as config_lib, errors
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
-from infjax.training import checkpoint, distributed, mesh as mesh_lib, state as state_lib, workdir as workdir_lib
+from infjax.training import checkpoint, distributed, mesh as mesh_lib, state as state_lib, storage, \
+    workdir as workdir_lib
 from infjax.training.restore import saved_steps
 from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
     make_objective, total_steps
@@ -38,7 +39,7 @@ log = logging.getLogger("infjax.train")
 
 def check_resume_request(workdir: str, resume: bool) -> None:
     """Without resume the workdir must not hold an earlier run's checkpoints; with it, it must."""
-    ckpt = os.path.join(workdir, "checkpoints")
+    ckpt = storage.join(workdir, "checkpoints")
     has_ckpt = bool(saved_steps(workdir))
     if has_ckpt and not resume:
         raise FileExistsError(f"--workdir={workdir} already holds checkpoints; pass --config.resume=True to "
@@ -56,7 +57,10 @@ class CheckpointSaveError(errors.RunStopped):
 
 
 class Preemption:
-    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns."""
+    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns.
+
+    The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
+    one step at which all stop."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -77,6 +81,18 @@ class Preemption:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+def agreed_stop(received: str | None, step: int, ckpts: checkpoint.Checkpoints) -> str | None:
+    """Whether to stop after `step`: the name of the signal received by any process (all processes
+    agree, so they save the same checkpoint and exit together), or "preemption" when JAX's preemption
+    notice reached its sync point; else None. Every process calls this after every step."""
+    if jax.process_count() == 1:
+        return received
+    code = distributed.max_over_processes(int(signal.Signals[received]) if received else 0)
+    if code:
+        return signal.Signals(code).name
+    return "preemption" if ckpts.reached_preemption(step) else None
 
 
 SYNTHETIC_SPEC = "synthetic"     # eval.synthetic: the run's own FollowIR-style split (config.data.synthetic)
@@ -201,11 +217,11 @@ def _run(config, workdir: str) -> TrainResult:
 
     config_json = json.loads(config.to_json_best_effort())
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
+    metrics_log = workdir_lib.MetricsLog(workdir, enabled=jax.process_index() == 0)
     try:                   # the manager is closed on every path (else its threads report errors at exit)
         start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
         if start >= steps:
             log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
-        metrics_log = workdir_lib.MetricsLog(workdir, enabled=jax.process_index() == 0)
         metrics_log.start(start)
 
         results = {}
@@ -218,6 +234,7 @@ def _run(config, workdir: str) -> TrainResult:
         close_checkpoints(ckpts, workdir)      # waits for asynchronous saves
     finally:
         close_checkpoints(ckpts, workdir, quiet=True)
+        metrics_log.flush()                    # object stores: the records not yet written
     if preempted:
         log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
                     preempted, int(state.step), ckpts.step_dir(int(state.step)))
@@ -228,8 +245,7 @@ def _run(config, workdir: str) -> TrainResult:
         log.info("eval after training (step %d): p-MRR %+.2f  nDCG@5 %.4f", int(state.step),
                  results["after"]["p_mrr"], results["after"]["ndcg@5"])
         if jax.process_index() == 0:
-            with open(os.path.join(workdir, "eval.json"), "w", encoding="utf-8") as f:
-                json.dump(results, f, indent=2)
+            storage.write_text(storage.join(workdir, "eval.json"), json.dumps(results, indent=2))
     return TrainResult(results, int(state.step), losses_seen, state, None)
 
 
@@ -281,11 +297,11 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 log.info("eval at step %d: %s", done, "  ".join(
                     f"{spec} {v['main']:.4f}" for spec, v in scores.items()))
                 writer.write({"step": done, "eval": scores})
-            preempted = preemption.received or (
-                "preemption" if jax.process_count() > 1 and ckpts.reached_preemption(done) else None)
+            preempted = agreed_stop(preemption.received, done, ckpts)
             if done % config.checkpoint.every == 0 or done == steps or preempted:
                 save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint},
                                 config_json)
+                writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:
                 break
     return state, losses_seen, preempted

@@ -6,7 +6,7 @@
 # eval.json by process 0). Evaluation: every process computes, process 0 prints and writes --out.
 # Env: INFJAX_LOCAL_DEVICES (CPU devices per process, default 1), INFJAX_PORT (coordinator port,
 # default a free one), PYTHON (default python), INFJAX_LOG_DIR (where process_i.log goes; default
-# the --workdir, else runs/local: never an evaluation's --out, which belongs to infjax.evaluate).
+# the --workdir when it is local, else runs/local: never an evaluation's --out, which belongs to infjax.evaluate).
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
   echo "usage: $0 N [infjax.MODULE] <flags>" >&2; exit 2
@@ -18,6 +18,7 @@ PYTHON=${PYTHON:-python}
 PORT=${INFJAX_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 LOG_DIR=runs/local
 for arg in "$@"; do [[ "$arg" == --workdir=* ]] && LOG_DIR=${arg#--workdir=}; done
+if [[ "$LOG_DIR" == *://* ]]; then LOG_DIR=runs/local; fi   # an object-store workdir: the logs stay here
 LOG_DIR=${INFJAX_LOG_DIR:-$LOG_DIR}
 mkdir -p "$LOG_DIR"
 pids=()

@@ -129,7 +129,8 @@ def test_import_matches_pytorch(family, checkpoint):
 
 def test_export_round_trip_matches_pytorch(family, checkpoint, tmp_path):
     import transformers
-    from safetensors.numpy import save_file
+
+    from infjax.models.hf_io import save_safetensors
 
     folder, model = checkpoint
     module, params, hf_config, _ = LOADERS[family](folder)
@@ -139,7 +140,7 @@ def test_export_round_trip_matches_pytorch(family, checkpoint, tmp_path):
     original = {k: v.numpy() for k, v in model.state_dict().items()}
     assert sorted(tensors) == sorted(original)
     assert all(np.array_equal(tensors[k], original[k]) for k in tensors)
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(str(tmp_path), tensors, 10**9)      # the writer of export (kernels are transposed views)
     shutil.copy(os.path.join(folder, "config.json"), tmp_path / "config.json")
     reloaded = transformers.AutoModel.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
     ids, mask = _batch(family, seed=1)

@@ -1,5 +1,6 @@
 """The contrastive objectives against a float64 per-row loop written from SPEC §3,
 and their invariance to the number of devices holding the batch."""
+import dataclasses
 import math
 
 import jax
@@ -171,13 +172,48 @@ def _reference_loss_torch(name, iq, p, neg, tau):
 @pytest.mark.parametrize("name", ["uni_pi", "uni_piiq", "uni_iiq", "multi_pi", "multi_piq", "uni_p"])
 def test_reference_convention_reproduces_the_reference_definitions(name, embeddings):
     iq, p, neg = embeddings
-    want = _reference_loss_torch(name, iq, p, neg, 0.05)
-    got = float(jnp.mean(losses.per_row_loss(losses.reference_objective(name), iq, p, neg)))
+    want = _reference_loss_torch(name, iq, p, neg, 0.05 + 1e-4)     # the reference divides by tau + 1e-4
+    got = float(jnp.mean(losses.per_row_loss(losses.reference_objective(name, 0.05), iq, p, neg)))
     assert got == pytest.approx(want, rel=1e-5)
     # and the swap is what SPEC §3 says: the reference's multi_* is our uni_* and vice versa
     ours = name if len(losses.OBJECTIVES[name][1]) == 1 else \
         {"uni": "multi", "multi": "uni"}[name.split("_")[0]] + "_" + name.split("_")[1]
-    assert want == pytest.approx(naive_loss(ours, iq, p, neg, 0.05, positive_once=name.startswith("uni")), rel=1e-5)
+    assert want == pytest.approx(naive_loss(ours, iq, p, neg, 0.05 + 1e-4, positive_once=name.startswith("uni")),
+                                 rel=1e-5)
+
+
+def test_reference_convention_by_hand():
+    """convention=reference on a fixed batch at the default tau, against numbers worked out by hand.
+
+    Two rows in 2-d: iq = (e1, e2), p = ((0.8, 0.6), (0.6, 0.8)), so each row's positive has cosine 0.8
+    and the other passage 0.6; one instruction negative per row at cosine 0.7 with the row's passage.
+    The reference scales cosines by 1/(0.05 + 1e-4) = 1/0.0501.
+    """
+    from infjax import config as config_lib
+    from infjax.training.setup import make_objective
+    with jax.enable_x64(True):
+        iq = jnp.array([[1.0, 0.0], [0.0, 1.0]])
+        p = jnp.array([[0.8, 0.6], [0.6, 0.8]])
+        perp = jnp.array([[0.6, -0.8], [0.8, -0.6]])
+        neg = (0.7 * p + math.sqrt(1 - 0.49) * perp)[:, None, :]
+        assert np.allclose(np.einsum("rkd,rd->rk", neg, p), 0.7)
+        k = 1 / 0.0501
+        ce = lambda pos, *others: -k * pos + math.log(sum(math.exp(k * x) for x in (pos, *others)))  # noqa: E731
+        want = {
+            "uni_p": ce(0.8, 0.6),                      # each row: [positive, the other passage]
+            "multi_pi": ce(0.8, 0.6) + ce(0.8, 0.7),    # a sum of separate cross-entropies (P, then I)
+            "uni_pi": ce(0.8, 0.6, 0.7),                # one softmax over [positive | other passage | negative]
+        }
+        for name, value in want.items():
+            config = config_lib.base_config(name)
+            config.loss.convention = "reference"
+            objective = make_objective(config)
+            assert objective.temperature == pytest.approx(0.0501, abs=1e-12)
+            got = float(jnp.mean(losses.per_row_loss(objective, iq, p, neg)))
+            assert got == pytest.approx(value, rel=1e-9), name
+            # the paper's exact 1/tau gives visibly other numbers
+            paper = float(jnp.mean(losses.per_row_loss(dataclasses.replace(objective, temperature=0.05), iq, p, neg)))
+            assert abs(paper - value) > 1e-3 * value, name
 
 
 @pytest.mark.parametrize("name, positive_once", [("multi_pi", False), ("uni_piiq", False),

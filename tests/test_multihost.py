@@ -7,6 +7,7 @@ once hid a crash of every default multi-host run at its first evaluation.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,72 @@ def test_eval_sets_interaction_ii_and_fsdp_with_two_processes(tmp_path):
     ev_a, ev_b = (json.load(open(os.path.join(w, "eval.json"))) for w in (single, multi))
     assert ev_b["after"]["p_mrr"] == pytest.approx(ev_a["after"]["p_mrr"], abs=1e-6)
     np.testing.assert_allclose([v for _, v in _losses(multi)], [v for _, v in _losses(single)], rtol=1e-5)
+
+
+def _children(launcher: subprocess.Popen, n: int, timeout: float = 120) -> dict[int, int]:
+    """{INFJAX_PROCESS_ID: pid} of the processes launch/local.sh started (read from their environment)."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        found = {}
+        for pid in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            for item in env:
+                if item.startswith(b"INFJAX_PROCESS_ID="):
+                    found[int(item.split(b"=", 1)[1])] = int(pid)
+        if len(found) == n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"launch/local.sh did not start {n} processes")
+
+
+def _logged_steps(workdir):
+    try:
+        return [s for s, _ in _losses(workdir)]
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.slow        # ~8 min on 2 cores: two interrupted 2-process runs, their resumes, one reference run
+def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
+    """SIGTERM to process 1 only, then to process 0 only, mid-run (default config, 2 processes): both
+    processes exit 0 after the same step with one checkpoint of it; the resumed run's losses are the
+    uninterrupted run's."""
+    import signal
+    import time
+
+    steps = 6
+    args = ["--config=configs/multi_pi.py", f"--config.train.steps={steps}", "--config.log_every=1",
+            "--config.checkpoint.every=100"]              # the only mid-run checkpoint is the stop's
+    reference = str(tmp_path / "reference")
+    train.run(_default_config(**{"train.steps": steps, "log_every": 1, "checkpoint.every": 100}), reference)
+    want = _losses(reference)
+    for target in (1, 0):
+        workdir = str(tmp_path / f"sigterm_{target}")
+        env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", HF_HUB_OFFLINE="1")
+        env.pop("XLA_FLAGS", None)
+        launcher = subprocess.Popen(["bash", "launch/local.sh", "2", *args, f"--workdir={workdir}"], cwd=ROOT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        pids = _children(launcher, 2)
+        deadline = time.time() + 600
+        while len(_logged_steps(workdir)) < 2 and time.time() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+        assert 2 <= len(_logged_steps(workdir)) < steps, "the run must be mid-way when the signal is sent"
+        os.kill(pids[target], signal.SIGTERM)
+        assert launcher.wait(timeout=600) == 0, launcher.stdout.read().decode()[-3000:]
+        logs = [open(os.path.join(workdir, f"process_{i}.log")).read() for i in range(2)]
+        stopped = [[int(x) for x in re.findall(r"stopped by SIGTERM after step (\d+)", log)] for log in logs]
+        print(f"SIGTERM to process {target}: stopped after steps {stopped}")
+        assert len(stopped[0]) == len(stopped[1]) == 1 and stopped[0] == stopped[1], logs
+        stop = stopped[0][0]
+        assert 2 <= stop < steps
+        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(stop)]
+        _launch(2, *args, f"--workdir={workdir}", "--config.resume=True")
+        got = _losses(workdir)
+        print(f"resumed from {stop}:", got, "\nuninterrupted (1 process):", want)
+        assert [s for s, _ in got] == list(range(1, steps + 1))
+        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)

@@ -4,6 +4,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
+
+from infjax.training import storage
 
 Run = dict[str, dict[str, float]]
 
@@ -30,7 +33,13 @@ def _slug(text: str) -> str:
 
 
 def write_outputs(out: str, summary: dict, meta: dict, results: list[dict]) -> None:
-    """summary.json, meta.json, per_query.json and the TREC runs of `results` (evaluation.tasks) in `out`."""
+    """summary.json, meta.json, per_query.json and the TREC runs of `results` (evaluation.tasks) in `out`
+    (an object-store URL: written to a local temporary folder, then uploaded)."""
+    if storage.is_remote(out):
+        with tempfile.TemporaryDirectory(prefix="infjax-eval-out-") as tmp:
+            write_outputs(tmp, summary, meta, results)
+            storage.copy_tree(tmp, out)
+        return
     os.makedirs(out, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise PermissionError(f"--out={out} is not writable")

@@ -30,8 +30,9 @@ from infjax.errors import UserError
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.models import hf_io
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
+from infjax.training import storage
 from infjax.training.mesh import default_mesh, put, replicated
-from infjax.training.restore import NonFiniteParams, check_finite, load_run
+from infjax.training.restore import NonFiniteParams, check_finite, load_run, saved_steps
 
 log = logging.getLogger("infjax.model_sources")
 
@@ -75,12 +76,14 @@ class EmbeddingModel:
 
 
 def is_run_dir(path: str) -> bool:
-    ckpt = os.path.join(path, "checkpoints")
-    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+    """A run directory (local or on an object store, e.g. gs://bucket/runs/x) with a finished checkpoint."""
+    return bool(saved_steps(path))
 
 
 def detect_type(source: str) -> str:
     """run (a folder with checkpoints/<step>), sentence_transformers (a folder with modules.json), else hf."""
+    if storage.is_remote(source):
+        return "run" if is_run_dir(source) else "hf"
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         if is_run_dir(path):
@@ -152,7 +155,11 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
     if pooling is not None and pooling not in ("mean", "cls", "last"):
         raise ModelSourceError(f"--pooling={pooling!r}: must be mean, cls or last")
     expanded = os.path.expanduser(source)
-    if not os.path.exists(expanded) and (source.startswith(("/", ".", "~")) or source.count("/") > 1):
+    if storage.is_remote(source) and not is_run_dir(source):
+        raise ModelSourceError(f"--model={source!r}: no infjax run directory there (an object-store --model must "
+                               f"be a run directory with checkpoints/<step>)")
+    if not storage.is_remote(source) and not os.path.exists(expanded) and (
+            source.startswith(("/", ".", "~")) or source.count("/") > 1):
         raise ModelSourceError(f"--model={source!r}: no such folder (expected an infjax run directory, a "
                                f"sentence-transformers folder or a HF checkpoint folder)")
     kind = detect_type(source) if model_type == "auto" else model_type
@@ -183,10 +190,11 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
 
 
 def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> EmbeddingModel:
-    if not is_run_dir(os.path.expanduser(workdir)):
+    workdir = storage.absolute(workdir)
+    if not is_run_dir(workdir):
         raise ModelSourceError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
     mesh = _mesh(mesh)
-    run = load_run(os.path.expanduser(workdir), step, mesh=mesh)
+    run = load_run(workdir, step, mesh=mesh)
     data = run.config.data
     fmt = TextFormat(data.query_template, data.query_prefix, data.passage_prefix)
     qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
@@ -198,7 +206,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
         pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
         params = put(run.params, replicated(mesh))
         embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
-    key = f"run:{os.path.abspath(os.path.expanduser(workdir))}|pooling={run.encoder.pooling}" \
+    key = f"run:{workdir}|pooling={run.encoder.pooling}" \
           f"|interaction={interaction}|dtype={run.config.model.dtype}|len={qlen}/{plen}"
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
                           progress=progress, cache_key=key, embed_pairs=embed_pairs)

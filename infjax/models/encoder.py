@@ -84,16 +84,22 @@ def resolve_pooling(pooling: str, family: Family) -> str:
     return family.default_pooling if pooling == "auto" else pooling
 
 
-def load_encoder(model_config) -> tuple[Encoder, dict, str]:
-    """(encoder, params, local checkpoint folder) for the `config.model` section."""
+def load_encoder(model_config, weights: bool = True) -> tuple[Encoder, dict, str]:
+    """(encoder, params, local checkpoint folder) for the `config.model` section.
+
+    Without `weights` nothing but config.json is read: the params are ShapeDtypeStructs of the same
+    tree (what restoring a run's checkpoint needs)."""
     path = checkpoint_path(model_config.checkpoint)
     family = detect_family(path, model_config.get("family", "auto"))
     module, backbone, hf_config, path = family.load(path, dtype=DTYPES[model_config.dtype],
                                                     remat=bool(model_config.get("remat", False)),
-                                                    scan_layers=bool(model_config.get("scan_layers", False)))
+                                                    scan_layers=bool(model_config.get("scan_layers", False)),
+                                                    weights=weights)
+    copy = (lambda x: x.copy()) if weights else (lambda x: x)
     params = {"shared": backbone} if model_config.shared_encoder else \
-        {"query": backbone, "passage": jax.tree.map(lambda x: x.copy(), backbone)}
+        {"query": backbone, "passage": jax.tree.map(copy, backbone)}
     if model_config.get("interaction", "concat") == "cross_attention":
-        params["interaction"] = interaction.init_head(int(hf_config["hidden_size"]))
+        hidden = int(hf_config["hidden_size"])
+        params["interaction"] = interaction.init_head(hidden) if weights else interaction.abstract_head(hidden)
     pooling = resolve_pooling(model_config.get("pooling", "auto"), family)
     return Encoder(module, pooling, family.padding_side, family.name), params, path

@@ -53,11 +53,13 @@ def decoder_params_to_hf(params: Mapping, config: DecoderConfig, prefix: str = "
 
 
 def load_decoder(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
-                 model_type: str | None = None) -> tuple[DecoderModel, dict, dict, str]:
+                 model_type: str | None = None, weights: bool = True) -> tuple[DecoderModel, dict, dict, str]:
     """Resolve, read and map a Llama / Qwen2 checkpoint: ``(module, params, hf_config_dict, path)``.
 
     ``model_type`` ("llama" / "qwen2") refuses a checkpoint of the other
     family. With ``scan_layers`` the parameters come stacked under ``layers``.
+    Without ``weights`` only config.json is read and ``params`` are
+    ShapeDtypeStructs (``hf_io.abstract_params``).
     """
     path = hf_io.resolve_checkpoint(name_or_path)
     hf_config = hf_io.load_hf_config(path)
@@ -65,10 +67,12 @@ def load_decoder(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = F
     if model_type is not None and hf_config.get("model_type") != model_type:
         raise ValueError(f"{source}: model_type={hf_config.get('model_type')!r}, expected {model_type!r}")
     config = DecoderConfig.from_hf_dict(hf_config, source=source)
+    module = DecoderModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
+    if not weights:
+        return module, hf_io.abstract_params(module), hf_config, path
     params = decoder_params_from_hf(hf_io.read_safetensors(path), config)
     if scan_layers:
         params = L.stack_layers(params, 0, config.num_hidden_layers)
-    module = DecoderModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
     return module, params, hf_config, path
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import struct
 from typing import Any, Iterator, Mapping
 
 import jax.numpy as jnp
@@ -248,6 +249,63 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+_SAFETENSORS_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("float64"): "F64",
+                       np.dtype("int32"): "I32", np.dtype("int64"): "I64"}
+
+
+def write_safetensors_file(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
+    """One safetensors file written tensor by tensor: the header from shapes alone, then each tensor's bytes
+    (made contiguous and little-endian one at a time). Peak memory is the largest tensor, not the file,
+    which safetensors' own writers need whole in memory."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, value in tensors.items():
+        kind = _SAFETENSORS_DTYPES.get(np.dtype(value.dtype))
+        if kind is None:
+            raise ValueError(f"tensor {name}: dtype {value.dtype} cannot be written to safetensors here")
+        size = int(value.size) * np.dtype(value.dtype).itemsize
+        header[name] = {"dtype": kind, "shape": [int(d) for d in value.shape], "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)               # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for value in tensors.values():
+            f.write(np.ascontiguousarray(value, dtype=np.dtype(value.dtype).newbyteorder("<")).reshape(-1).data)
+
+
+def save_safetensors(folder: str, tensors: Mapping[str, np.ndarray], max_shard_size: int) -> list[str]:
+    """Write ``model.safetensors``, or shards and ``model.safetensors.index.json`` above ``max_shard_size``.
+
+    Shards are filled in the order of ``tensors``; a tensor larger than the
+    limit gets a shard of its own. Returns the written file names.
+    """
+    metadata = {"format": "pt"}
+    total = sum(int(t.nbytes) for t in tensors.values())
+    if total <= max_shard_size:
+        write_safetensors_file(os.path.join(folder, SAFETENSORS_FILE), tensors, metadata)
+        return [SAFETENSORS_FILE]
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, value in tensors.items():
+        if shards[-1] and size + value.nbytes > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += int(value.nbytes)
+    files, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors_file(os.path.join(folder, name), shard, metadata)
+        weight_map.update({k: name for k in shard})
+        files.append(name)
+    with open(os.path.join(folder, SAFETENSORS_INDEX), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        f.write("\n")
+    return files + [SAFETENSORS_INDEX]
+
+
 # --------------------------------------------------------------------------
 # Name map between HF BertModel and the Flax parameter tree
 # --------------------------------------------------------------------------
@@ -325,21 +383,25 @@ def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> 
 
 
 def load_bert(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False,
-              scan_layers: bool = False) -> tuple[BertModel, dict, dict, str]:
+              scan_layers: bool = False, weights: bool = True) -> tuple[BertModel, dict, dict, str]:
     """Resolve, read and map a BERT checkpoint.
 
     Returns ``(module, params, hf_config_dict, path)`` where ``module`` computes
     in ``dtype`` (float32 by default) and ``params`` are host float32 arrays.
     With ``scan_layers`` the parameters come stacked under ``layers`` (one
-    leading layer axis), the layout the scanned module expects.
+    leading layer axis), the layout the scanned module expects. Without
+    ``weights`` only config.json is read and ``params`` are the tree's
+    ShapeDtypeStructs (:func:`abstract_params`).
     """
     path = resolve_checkpoint(name_or_path)
     hf_config = load_hf_config(path)
     config = BertConfig.from_hf_dict(hf_config, source=os.path.join(path, "config.json"))
+    module = BertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
+    if not weights:
+        return module, abstract_params(module), hf_config, path
     params = bert_params_from_hf(read_safetensors(path), config)
     if scan_layers:
         params = L.stack_layers(params, 0, config.num_hidden_layers)
-    module = BertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
     return module, params, hf_config, path
 
 
@@ -348,13 +410,20 @@ def load_bert(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = Fals
 # --------------------------------------------------------------------------
 
 
+def abstract_params(module, seq_len: int = 1) -> dict:
+    """The parameter tree of ``module`` (called as ``module(ids, mask)``) as ShapeDtypeStructs, from an
+    abstract init: nothing is read or allocated. Same layout as the loaders' (scanned or not)."""
+    import jax
+
+    ids = jnp.zeros((1, seq_len), jnp.int32)
+    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))["params"]
+
+
 def module_param_shapes(module, seq_len: int = 1) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Flax parameter shapes of ``module`` (called as ``module(ids, mask)``), from an abstract init."""
     import jax
 
-    ids = jnp.zeros((1, seq_len), jnp.int32)
-    shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))
-    flat = jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params(module, seq_len))[0]
     return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
@@ -409,7 +478,10 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], name_map, shapes: Mapping[
 
 
 def params_to_hf(params: Mapping, name_map, prefix: str = "") -> dict[str, np.ndarray]:
-    """Inverse of :func:`params_from_hf`: unrolled Flax tree -> contiguous float32 numpy by HF name."""
+    """Inverse of :func:`params_from_hf`: unrolled Flax tree -> float32 numpy by HF name.
+
+    Host float32 parameters are not copied: transposed kernels are views (not contiguous), so that an
+    export holds the parameters once; writers make one tensor contiguous at a time."""
     import jax
 
     out: dict[str, np.ndarray] = {}
@@ -421,7 +493,7 @@ def params_to_hf(params: Mapping, name_map, prefix: str = "") -> dict[str, np.nd
         except KeyError:
             missing.append("/".join(path))
             continue
-        out[prefix + hf_name] = np.ascontiguousarray(value.T if transpose else value)
+        out[prefix + hf_name] = value.T if transpose else value
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     extra = sorted("/".join(str(k.key) for k in p) for p, _ in leaves if tuple(k.key for k in p) not in mapped)
     if missing or extra:

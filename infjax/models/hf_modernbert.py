@@ -51,16 +51,19 @@ def modernbert_params_to_hf(params: Mapping, config: ModernBertConfig, prefix: s
 
 
 def load_modernbert(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False,
-                    scan_layers: bool = False) -> tuple[ModernBertModel, dict, dict, str]:
+                    scan_layers: bool = False, weights: bool = True) -> tuple[ModernBertModel, dict, dict, str]:
     """Resolve, read and map a ModernBERT checkpoint: ``(module, params, hf_config_dict, path)``.
 
-    With ``scan_layers`` layers 1..N-1 come stacked under ``layers``.
+    With ``scan_layers`` layers 1..N-1 come stacked under ``layers``. Without ``weights`` only
+    config.json is read and ``params`` are ShapeDtypeStructs (``hf_io.abstract_params``).
     """
     path = hf_io.resolve_checkpoint(name_or_path)
     hf_config = hf_io.load_hf_config(path)
     config = ModernBertConfig.from_hf_dict(hf_config, source=os.path.join(path, "config.json"))
+    module = ModernBertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
+    if not weights:
+        return module, hf_io.abstract_params(module), hf_config, path
     params = modernbert_params_from_hf(hf_io.read_safetensors(path), config)
     if scan_layers and config.num_hidden_layers > 1:
         params = L.stack_layers(params, 1, config.num_hidden_layers - 1)
-    module = ModernBertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
     return module, params, hf_config, path

@@ -29,6 +29,11 @@ def init_head(dim: int) -> dict:
     return {"w_i": eye.copy(), "w_q1": eye.copy(), "w_q2": eye.copy()}
 
 
+def abstract_head(dim: int) -> dict:
+    """The head's shapes and dtypes (nothing allocated), for restoring it from a checkpoint."""
+    return {name: jax.ShapeDtypeStruct((dim, dim), np.float32) for name in ("w_i", "w_q1", "w_q2")}
+
+
 def _attention(head: dict, i_vec: jax.Array, q_hidden: jax.Array, q_mask: jax.Array, pairs: str) -> jax.Array:
     """Attention weights over query tokens: [R, L] for the diagonal pairs, [R_j, R_k, L] for all pairs."""
     d = i_vec.shape[-1]

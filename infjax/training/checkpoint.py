@@ -1,9 +1,10 @@
 """Orbax checkpoints (current `args=` API): train state, data position and resolved config.
 
-WORKDIR/checkpoints/<step>/{state, data, config}. Orbax writes a step into a
-temporary folder and renames it when complete, so a save that was cut off is
-never listed as a step. Saves are asynchronous by default: training goes on
-while the arrays are written; `close()` waits for the last one.
+WORKDIR/checkpoints/<step>/{state, data, config}; WORKDIR may be an object-store URL
+(training/storage.py). Orbax writes a step into a temporary folder and renames it
+when complete (on gs://, where there is no rename, it writes COMMIT_FILE last), so a
+save that was cut off is never listed as a step. Saves are asynchronous by default:
+training goes on while the arrays are written; `close()` waits for the last one.
 """
 from __future__ import annotations
 
@@ -13,15 +14,33 @@ import shutil
 import uuid
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from infjax.errors import UserError
+from infjax.training import distributed, storage
 
 log = logging.getLogger("infjax.checkpoint")
 
 
 class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint step exists but cannot be read; the message names its folder."""
+
+
+COMMIT_FILE = "commit_success.txt"   # on gs://, Orbax marks a finished step with this file instead of a rename
+
+
+def _finished(directory: str, name: str) -> bool:
+    step_dir = storage.join(directory, name)
+    if directory.startswith("gs://"):
+        return storage.exists(storage.join(step_dir, COMMIT_FILE))
+    return storage.isdir(step_dir)
+
+
+def finished_steps(directory: str) -> list[int]:
+    """The steps in a checkpoints folder whose save finished: locally a step folder exists only once
+    complete (Orbax renames it into place); on gs:// a step folder is complete once it holds COMMIT_FILE."""
+    return sorted(int(n) for n in storage.listdir(directory) if n.isdigit() and _finished(directory, n))
 
 
 def abstract_like(tree, sharding_tree=None):
@@ -32,7 +51,16 @@ def abstract_like(tree, sharding_tree=None):
 
 
 def check_writable(workdir: str, needed_bytes: int = 0) -> None:
-    """Create `workdir` and prove it writable with a probe file; refuse if one checkpoint cannot fit."""
+    """Create `workdir` and prove it writable with a probe file; refuse if one checkpoint cannot fit
+    (object stores: a probe object; they have no free-space limit to check)."""
+    if storage.is_remote(workdir):
+        probe = storage.join(workdir, f".write-probe-{uuid.uuid4().hex}")
+        try:
+            storage.write_text(probe, "ok")
+            storage.rmtree(probe)
+        except Exception as e:  # noqa: BLE001 - gcsfs / s3fs raise their own types
+            raise PermissionError(f"--workdir={workdir} is not writable: {type(e).__name__}: {e}") from None
+        return
     try:
         os.makedirs(workdir, exist_ok=True)
         probe = os.path.join(workdir, f".write-probe-{uuid.uuid4().hex}")
@@ -47,7 +75,10 @@ def check_writable(workdir: str, needed_bytes: int = 0) -> None:
                       f"{needed_bytes / 2**30:.2f} GiB")
 
 
-def free_bytes(workdir: str) -> int:
+def free_bytes(workdir: str) -> float:
+    """Free bytes on the disk holding `workdir` (an object store: unlimited)."""
+    if storage.is_remote(workdir):
+        return float("inf")
     return shutil.disk_usage(workdir).free
 
 
@@ -57,7 +88,7 @@ def state_bytes(abstract_state) -> int:
 
 class Checkpoints:
     def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self.directory = storage.join(storage.absolute(workdir), "checkpoints")
         self._closed = False
         self.pending: int | None = None      # the latest step whose save was started
         self.manager = ocp.CheckpointManager(
@@ -73,7 +104,7 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+        return storage.join(self.directory, str(step))
 
     def save(self, step: int, state, data_position: dict, config: dict) -> None:
         """Start saving `step` (in the background with async_save). Orbax first waits for the previous
@@ -105,19 +136,19 @@ class Checkpoints:
                                       f"{type(e).__name__}: {e}") from e
 
     def complete_steps(self) -> list[int]:
-        """Steps whose folder was finished (Orbax renames a step's folder into place when it is complete)."""
-        if not os.path.isdir(self.directory):
-            return []
-        return sorted(int(n) for n in os.listdir(self.directory)
-                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
+        """Steps whose save finished (see `finished_steps`)."""
+        return finished_steps(self.directory)
 
     def remove_partial(self) -> list[str]:
-        """Delete the temporary folders of saves that did not finish; returns their names."""
-        if not os.path.isdir(self.directory):
-            return []
-        partial = sorted(n for n in os.listdir(self.directory) if ".orbax-checkpoint-tmp" in n)
+        """Delete the folders of saves that did not finish (temporary folders; on gs://, step folders
+        without COMMIT_FILE); returns their names. Only when no save is under way."""
+        partial = [n for n in storage.listdir(self.directory) if ".orbax-checkpoint-tmp" in n
+                   or (n.isdigit() and not _finished(self.directory, n))]
         for name in partial:
-            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+            try:
+                storage.rmtree(storage.join(self.directory, name))
+            except OSError:
+                pass
         return partial
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
@@ -131,6 +162,22 @@ class Checkpoints:
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read: "
                                       f"{type(e).__name__}: {str(e)[:500]}") from e
         return out["state"], out["data"]
+
+    def restore_params(self, step: int, abstract_params, on_host: bool = False):
+        """Only the parameters of the state saved at `step` (an Orbax partial restore: the optimizer moments
+        are not read), shaped, typed and sharded as `abstract_params` says, or host numpy arrays (`on_host`)."""
+        if on_host:
+            restore_args = jax.tree.map(lambda x: ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype),
+                                        abstract_params)
+        else:
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_params)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
+        except Exception as e:   # noqa: BLE001
+            raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (parameters): "
+                                      f"{type(e).__name__}: {str(e)[:500]}") from e
+        return out["state"]["params"]
 
     def restore_newest_readable(self, abstract_state, fallback: bool, check_config=None) -> tuple[int, object, dict]:
         """Restore the latest step; if it is unreadable, raise, or with `fallback` try older ones.
@@ -163,7 +210,8 @@ class Checkpoints:
         """Rename unreadable step folders out of the manager's view so that those steps can be saved again."""
         if jax.process_index() == 0:
             for step in steps:
-                os.rename(self.step_dir(step), f"{self.step_dir(step)}.unreadable-{uuid.uuid4().hex[:8]}")
+                storage.rename(self.step_dir(step), f"{self.step_dir(step)}.unreadable-{uuid.uuid4().hex[:8]}")
+        distributed.barrier("infjax: unreadable checkpoints set aside")   # no process reloads before the rename
         self.manager.reload()
 
     def reached_preemption(self, step: int) -> bool:

@@ -14,6 +14,7 @@ import logging
 import os
 
 import jax
+import numpy as np
 
 log = logging.getLogger("infjax.distributed")
 
@@ -47,3 +48,21 @@ def initialize(env=None) -> dict:
     log.info("process %(process_index)d of %(process_count)d: %(local_devices)d local devices, "
              "%(global_devices)d global devices (%(platform)s)", info)
     return info
+
+
+def max_over_processes(value: int) -> int:
+    """The largest `value` over all processes: an agreement (every process must call it at the same point
+    of the program, e.g. once per training step). One process: `value` itself, with no communication."""
+    if jax.process_count() == 1:
+        return int(value)
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int32))))
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches the barrier `name` (nothing to do for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)

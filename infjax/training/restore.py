@@ -2,15 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from infjax.errors import UserError
 from infjax.models.encoder import Encoder, load_encoder
-from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib
+from infjax.training import checkpoint, mesh as mesh_lib, partitioning, storage
 
 
 @dataclasses.dataclass
@@ -31,7 +31,10 @@ def first_nonfinite(tree) -> tuple[str, int, int] | None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         if not jnp.issubdtype(leaf.dtype, jnp.floating):
             continue
-        bad = int(jax.device_get(jnp.sum(~jnp.isfinite(leaf))))
+        if isinstance(leaf, np.ndarray):          # host arrays stay on the host (no device copy)
+            bad = leaf.size - int(np.count_nonzero(np.isfinite(leaf)))
+        else:
+            bad = int(jax.device_get(jnp.sum(~jnp.isfinite(leaf))))
         if bad:
             return jax.tree_util.keystr(path, simple=True, separator="/"), bad, int(leaf.size)
     return None
@@ -47,15 +50,19 @@ def check_finite(params, where: str) -> None:
 
 
 def saved_steps(workdir: str) -> list[int]:
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+    """The complete checkpoint steps of the run in `workdir` (a local folder or an object-store URL)."""
+    return checkpoint.finished_steps(storage.join(workdir, "checkpoints"))
 
 
-def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
-    """The run's model at `step` (default: the latest) on `mesh` (default: all devices on the data axis),
-    laid out by the family's partition rules (replicated when the mesh has fsdp = tensor = 1)."""
+def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = False,
+             dtype: str | None = None) -> RunModel:
+    """The run's model at `step` (default: the latest), restoring only the parameters.
+
+    Shapes come from the model's abstract init (only the base folder's config.json is read, never its
+    weights); the optimizer moments are not read. The parameters land on `mesh` (default: all devices on
+    the data axis) laid out by the family's partition rules, or, with `on_host`, as host numpy arrays
+    (what export writes from: nothing on devices). `dtype` (e.g. "bfloat16") casts floating parameters
+    while they are read; default: as saved (float32)."""
     steps = saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
@@ -65,13 +72,15 @@ def load_run(workdir: str, step: int | None = None, mesh=None) -> RunModel:
     ckpts = checkpoint.Checkpoints(workdir, max_to_keep=len(steps) + 1)
     try:
         config = ml_collections.ConfigDict(ckpts.saved_config(step))
-        encoder, params, base_path = load_encoder(config.model)
-        optimizer, _ = state_lib.make_optimizer(config.train, total_steps=1)
-        mesh = mesh or mesh_lib.default_mesh()
-        abstract = state_lib.abstract_state(params, optimizer)
-        abstract = checkpoint.abstract_like(abstract, state_lib.state_shardings(abstract, encoder.module, mesh))
-        state, _ = ckpts.restore(step, abstract)
+        encoder, abstract, base_path = load_encoder(config.model, weights=False)
+        if dtype is not None:
+            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype))
+                                    if jnp.issubdtype(x.dtype, jnp.floating) else x, abstract)
+        if not on_host:
+            abstract = checkpoint.abstract_like(abstract, partitioning.param_shardings(
+                abstract, encoder.module, mesh or mesh_lib.default_mesh()))
+        params = ckpts.restore_params(step, abstract, on_host=on_host)
     finally:
         ckpts.close()
-    check_finite(state.params, f"{workdir} step {step}")
-    return RunModel(config, encoder, state.params, base_path, step)
+    check_finite(params, f"{workdir} step {step}")
+    return RunModel(config, encoder, params, base_path, step)

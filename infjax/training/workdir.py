@@ -1,7 +1,10 @@
 """The run folder's own files besides checkpoints: the lock that keeps one run per workdir, and metrics.jsonl.
 
 Only process 0 touches them (one writer per file); the other processes get
-no-op objects, so callers need no rank checks.
+no-op objects, so callers need no rank checks. On an object-store workdir
+(gs://, s3://) there is no lock (object stores have no flock: one run per
+workdir is then the user's to keep), and metrics.jsonl, which cannot be
+appended to, is rewritten whole at every checkpoint and at the end of the run.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 import socket
 
 from infjax.errors import UserError
+from infjax.training import storage
 
 log = logging.getLogger("infjax.workdir")
 
@@ -43,6 +47,9 @@ class WorkdirLock:
 
     def __enter__(self) -> "WorkdirLock":
         if not self.enabled:
+            return self
+        if storage.is_remote(self.workdir):
+            log.info("--workdir=%s is on an object store: no lock; run one training per workdir", self.workdir)
             return self
         if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
             raise UserError(f"--workdir={self.workdir} exists and is not a folder")
@@ -106,44 +113,62 @@ class MetricsLog:
     run (step 0) never appends to an earlier run's file (that file is renamed
     metrics.jsonl.<time>.old and kept); a resumed run drops the records written
     after its checkpoint's step (they are written again as the steps re-run).
+
+    Locally every record is appended at once. On an object store the records are
+    kept in memory and the object is rewritten by `flush()`, which the trainer
+    calls at every checkpoint and at the end: a kill loses only records of steps
+    after the last checkpoint, which the resumed run computes and writes again.
     """
 
     def __init__(self, workdir: str, enabled: bool = True):
         self.enabled = enabled
-        self.path = os.path.join(workdir, METRICS_FILE)
+        self.path = storage.join(workdir, METRICS_FILE)
+        self.remote = storage.is_remote(workdir)
+        self._lines: list[str] = []          # object store: the file's content
+        self._dirty = False
 
     def start(self, step: int) -> None:
-        if not self.enabled or not os.path.exists(self.path):
+        if not self.enabled or not storage.exists(self.path):
             return
         if step == 0:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             aside = f"{self.path}.{stamp}.old"
-            os.replace(self.path, aside)
+            storage.rename(self.path, aside)
             log.warning("%s belonged to an earlier run without checkpoints; kept as %s", self.path, aside)
             return
         kept, dropped = [], 0
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                try:
-                    record_step = json.loads(line).get("step", 0)
-                except ValueError:          # a line cut off by a kill: it belongs to no completed step
-                    dropped += 1
-                    continue
-                if record_step <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                else:
-                    dropped += 1
+        for line in storage.read_text(self.path).splitlines(keepends=True):
+            if not line.strip():
+                continue
+            try:
+                record_step = json.loads(line).get("step", 0)
+            except ValueError:          # a line cut off by a kill: it belongs to no completed step
+                dropped += 1
+                continue
+            if record_step <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+            else:
+                dropped += 1
+        if self.remote:
+            self._lines = kept
         if dropped:
-            tmp = self.path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.writelines(kept)
-            os.replace(tmp, self.path)
+            storage.write_text(self.path, "".join(kept))
             log.info("%s: dropped %d record(s) written after step %d (the resumed steps write them again)",
                      self.path, dropped, step)
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
+        if not self.enabled:
+            return
+        line = json.dumps(record) + "\n"
+        if self.remote:
+            self._lines.append(line)
+            self._dirty = True
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+
+    def flush(self) -> None:
+        """Object store: rewrite the object with every record so far (locally records are already written)."""
+        if self.enabled and self.remote and self._dirty:
+            storage.write_text(self.path, "".join(self._lines))
+            self._dirty = False

