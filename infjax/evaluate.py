@@ -119,9 +119,6 @@ def run_evaluation(args: argparse.Namespace) -> dict:
         (os.path.expanduser(args.out) if args.out else None)
     if out and storage.exists(out) and not storage.isdir(out):
         raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
-    if args.cache_dir and storage.is_remote(args.cache_dir):
-        raise DataError(f"--cache_dir={args.cache_dir}: the embedding cache must be a local folder (it is "
-                        f"memory-mapped); object-store URLs are not supported there")
 
     def load_data(synthetic_defaults=None):
         return datasets.load(args.dataset, split=args.split, instruction=args.instruction,
@@ -140,7 +137,7 @@ def run_evaluation(args: argparse.Namespace) -> dict:
     if tasks is None:
         tasks = load_data(model.synthetic)
     t_data2 = time.perf_counter()
-    cache = EmbeddingCache(os.path.expanduser(args.cache_dir)) if args.cache_dir else None
+    cache = EmbeddingCache(storage.absolute(args.cache_dir)) if args.cache_dir else None
     results = []
     for task in tasks:
         pairs, ep = cached_encoders(model, cache, f"{args.dataset}|{task.name}")

@@ -107,6 +107,24 @@ def test_storage_paths_and_checkpoints_on_gcs(gcs):
     assert not storage.exists(log.path) and any(n.endswith(".old") for n in storage.listdir(run))
 
 
+def test_embedding_cache_on_gcs(gcs):
+    """infjax.evaluate's --cache_dir on gs://: a miss computes and stores, the next call reads it back."""
+    from infjax.inference.cache import EmbeddingCache
+
+    cache = EmbeddingCache(f"gs://{BUCKET}/cache")
+    calls = []
+
+    def embed(texts):
+        calls.append(list(texts))
+        return np.arange(len(texts) * 3, dtype=np.float32).reshape(len(texts), 3)
+
+    cached = cache.wrap(embed, "model", 1, "dataset", "passages")
+    first, second = cached(["a", "b"]), cached(["a", "b"])
+    assert calls == [["a", "b"]]
+    np.testing.assert_array_equal(first, second)
+    assert sorted(n.rsplit(".", 1)[1] for n in storage.listdir(f"gs://{BUCKET}/cache")) == ["json", "npy"]
+
+
 def _train(workdir, log, *extra):
     """`python -m infjax.train` (default config, 6 steps, checkpoints every 2) with its output in `log` (a pipe
     nobody reads would fill and block the run)."""

@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
+from infjax.training import storage
 
 log = logging.getLogger("infjax.inference")
 
@@ -43,13 +44,13 @@ class EmbeddingCache:
     With several processes the encoder is a collective, so they must agree on
     hit or miss: an entry counts as a hit only when every process can read
     it (a cache folder that is not shared gives misses, never a hang); only
-    process 0 writes entries.
+    process 0 writes entries. DIR may be an object-store URL (gs://...).
     """
 
     def __init__(self, directory: str):
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
-        if not os.access(directory, os.W_OK):
+        storage.makedirs(directory)
+        if not storage.is_remote(directory) and not os.access(directory, os.W_OK):
             raise PermissionError(f"--cache_dir={directory} is not writable")
 
     @staticmethod
@@ -62,20 +63,26 @@ class EmbeddingCache:
                       dataset: str, side: str) -> np.ndarray:
         """The cached [rows, d] embeddings keyed by `key_texts`, else `compute()` (then stored)."""
         key, meta = self.key(model, step, dataset, side, key_texts)
-        path = os.path.join(self.directory, key + ".npy")
-        emb = np.load(path) if os.path.isfile(path) else None
+        path = storage.join(self.directory, key + ".npy")
+        emb = None
+        if storage.exists(path):
+            with storage.Path(path).open("rb") as f:
+                emb = np.load(f)
         if all_processes(emb is not None and emb.shape[0] == rows):
             log.info("embedding cache hit: %s %s (%d texts) %s", dataset, side, rows, path)
             return emb
         emb = np.asarray(compute(), np.float32)
         if jax.process_index() != 0:
             return emb
-        tmp = path + f".tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.save(f, emb)
-        os.replace(tmp, path)                                  # atomic: never a half-written entry
-        with open(os.path.join(self.directory, key + ".json"), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=1)
+        if storage.is_remote(path):                            # an object appears only when complete
+            with storage.Path(path).open("wb") as f:
+                np.save(f, emb)
+        else:
+            tmp = path + f".tmp{os.getpid()}"
+            with open(tmp, "wb") as f:
+                np.save(f, emb)
+            os.replace(tmp, path)                              # atomic: never a half-written entry
+        storage.write_text(storage.join(self.directory, key + ".json"), json.dumps(meta, indent=1))
         return emb
 
     def wrap(self, embed: EmbedFn, model: str, step: int | None, dataset: str, side: str) -> EmbedFn:
