@@ -249,7 +249,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     return tensors
 
 
-_SAFETENSORS_DTYPES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("float64"): "F64",
+_SAFETENSORS_CODES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np.dtype("float64"): "F64",
                        np.dtype("int32"): "I32", np.dtype("int64"): "I64"}
 
 
@@ -260,7 +260,7 @@ def write_safetensors_file(path: str, tensors: Mapping[str, np.ndarray], metadat
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0
     for name, value in tensors.items():
-        kind = _SAFETENSORS_DTYPES.get(np.dtype(value.dtype))
+        kind = _SAFETENSORS_CODES.get(np.dtype(value.dtype))
         if kind is None:
             raise ValueError(f"tensor {name}: dtype {value.dtype} cannot be written to safetensors here")
         size = int(value.size) * np.dtype(value.dtype).itemsize
