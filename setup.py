@@ -25,6 +25,10 @@ setup(
         "pytrec-eval-terrier>=0.5.6",
         "tqdm>=4.66",
         "etils[epath]>=1.7",
+        # The general-retrieval canaries (infjax.evaluation.canary) read real text from installed packages:
+        # `lee` gensim's test data (gensim is never imported), `docstrings` the sources of numpy and scipy.
+        "gensim>=4.3,<5",
+        "scipy>=1.11",
     ],
     extras_require={
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import sys
 
 
@@ -84,11 +85,72 @@ def report(prog: str, error: BaseException, log=None) -> int | None:
     return code
 
 
+def _closed_loop_callback(unraisable) -> bool:
+    """An exception raised by a storage callback after Orbax closed its asyncio loop.
+
+    When a checkpoint write fails (disk full, file too large), tensorstore still completes each pending
+    chunk write and calls back into the loop Orbax has already closed; every call ends as an unraisable
+    `RuntimeError: Event loop is closed` (hundreds of tracebacks, all consequences of the one failure
+    that the run reports)."""
+    return (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+            and unraisable.object is None)
+
+
+@contextlib.contextmanager
+def closed_loop_callbacks_counted(prog: str, log=None):
+    """Inside: the follow-on errors of `_closed_loop_callback` are counted, not printed; one line at the end."""
+    previous, count = sys.unraisablehook, 0
+
+    def hook(unraisable):
+        nonlocal count
+        if _closed_loop_callback(unraisable):
+            count += 1
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+        if count:
+            message = (f"{count} storage callbacks arrived after the checkpoint writer closed its event loop "
+                       "(follow-on errors of a failed write; not shown)")
+            if log is not None:
+                log.warning("%s", message)
+            else:
+                print(f"{prog}: warning: {message}", file=sys.stderr)
+
+
+class _LibraryErrorsOneLine(logging.Filter):
+    """Orbax logs every failure of its background save threads with a traceback of its own internals, then
+    raises the same error to the run, which reports it in one line: keep Orbax's lines, drop their traces."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and "/orbax/" in record.pathname.replace("\\", "/"):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextlib.contextmanager
+def library_errors_one_line():
+    one_line = _LibraryErrorsOneLine()
+    loggers = [logging.getLogger("absl"), logging.getLogger()]      # Orbax logs through absl's logger
+    for logger in loggers:
+        logger.addFilter(one_line)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(one_line)
+
+
 @contextlib.contextmanager
 def reported(prog: str, log=None):
     """The body of an entry point: a reportable error becomes one line and SystemExit(status)."""
     try:
-        yield
+        with closed_loop_callbacks_counted(prog, log), library_errors_one_line():
+            yield
     except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - report() sorts reportable errors from bugs
         code = report(prog, e, log)
         if code is None:

@@ -151,6 +151,29 @@ def write_tokenizer(folder: str, base_path: str, padding_side: str) -> None:
     _write_json(path, config)
 
 
+def base_max_seq_length(base_path: str) -> int | None:
+    """The base checkpoint's own sentence-transformers max_seq_length, if its folder states one."""
+    path = os.path.join(base_path, "sentence_bert_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def inference_length(trained: int, base_path: str, hf_config: Mapping[str, Any]) -> int:
+    """The max_seq_length an export declares: the longer of the training truncation and the base model's
+    own max_seq_length, within its position table.
+
+    Training often truncates harder than the base model reads (the embedded default: 48 tokens, MiniLM's
+    own 256). Declaring the training length would make every sentence-transformers user truncate
+    documents there, which reads as lost retrieval quality; fine-tuning does not shorten the model."""
+    length = max(trained, base_max_seq_length(base_path) or 0)
+    positions = hf_config.get("max_position_embeddings")
+    return min(length, int(positions)) if isinstance(positions, int) and positions >= trained else length
+
+
 def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: Mapping[str, Any], base_path: str,
                        pooling: str, padding_side: str, max_seq_length: int, query_prefix: str = "",
                        passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)) -> None:
@@ -174,9 +197,10 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
 
 def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding_side: str, query_template: str,
                 query_prefix: str, passage_prefix: str, query_max_len: int, passage_max_len: int, run: str = "",
-                step: int | None = None) -> str:
+                step: int | None = None, max_seq_length: dict[str, int] | None = None) -> str:
     """A short README: what the folder is and how to build query/passage text."""
     trained = (f" from run `{run}`" + (f" at step {step}" if step is not None else "")) if run else ""
+    lengths = ", ".join(f"{k or 'the folder'}: {v}" for k, v in (max_seq_length or {}).items()) or "as trained"
     if separate:
         layout = ("Two encoders (Hugging Face + sentence-transformers format each): `query/` for\n"
                   "instruction-queries, `passage/` for passages.")
@@ -197,6 +221,9 @@ L2-normalized; score = dot product (= cosine).
 - Query: `{query_prefix!r} + {query_template!r}.format(instruction=I, query=Q).strip()`
   (instruction and query in one text; at most {query_max_len} tokens in training).
 - Passage: `{passage_prefix!r} + passage` (at most {passage_max_len} tokens in training).
+
+sentence-transformers truncates at `max_seq_length` ({lengths}): the longer of
+the training length and the base model's own.
 
 The prefixes are stored as sentence-transformers prompts (`query`, `document`);
 the template is not, so format the query text yourself:
@@ -301,8 +328,11 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                  query_prefix: str = "", passage_prefix: str = "", query_max_len: int = 256,
                  passage_max_len: int = 512, overwrite: bool = False,
                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base: str | None = None, run: str = "",
-                 step: int | None = None) -> str:
+                 step: int | None = None, max_seq_length: int | None = None) -> str:
     """Write the export of ``params`` ({"shared": tree} or {"query": tree, "passage": tree}) to ``out``.
+
+    Each encoder folder declares ``max_seq_length`` tokens to sentence-transformers when given, else
+    `inference_length` of its training length (the longer of it and the base model's own).
 
     Builds everything in a temporary folder next to ``out`` and renames it
     into place; on any failure the temporary folder is removed and ``out`` is
@@ -318,10 +348,15 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     if extra:
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
     head = params.get("interaction")
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
+    length = (lambda trained: max_seq_length if max_seq_length else   # noqa: E731
+              inference_length(trained, base_path, hf_config))
     if "shared" in params:
-        parts = {"": (params["shared"], max(query_max_len, passage_max_len))}
+        parts = {"": (params["shared"], length(max(query_max_len, passage_max_len)))}
     elif {"query", "passage"} <= set(params):
-        parts = {"query": (params["query"], query_max_len), "passage": (params["passage"], passage_max_len)}
+        parts = {"query": (params["query"], length(query_max_len)),
+                 "passage": (params["passage"], length(passage_max_len))}
     else:
         raise ExportError(f"parameters must hold 'shared' or 'query' and 'passage', got {sorted(params)}")
     parent = None if remote else os.path.dirname(out)
@@ -347,7 +382,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                 pooling=pooling,
                                 padding_side=padding_side, query_template=query_template,
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
-                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step)
+                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step,
+                                max_seq_length={sub: n for sub, (_, n) in parts.items()})
                     + (INTERACTION_README if head is not None else ""))
         _write_json(os.path.join(tmp, MARKER_FILE), {"run": storage.absolute(run) if run else None, "step": step,
                                                     "base": base or base_path, "family": family})
@@ -364,10 +400,12 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
 
 
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
-               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> str:
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None) -> str:
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
     out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
     parse_size(max_shard_size)
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
     run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
     config = run.config
@@ -377,7 +415,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
         query_template=config.data.query_template, query_prefix=config.data.query_prefix,
         passage_prefix=config.data.passage_prefix, query_max_len=config.data.query_max_len,
         passage_max_len=config.data.passage_max_len, overwrite=overwrite, max_shard_size=max_shard_size,
-        base=config.model.checkpoint, run=workdir, step=run.step)
+        base=config.model.checkpoint, run=workdir, step=run.step, max_seq_length=max_seq_length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,9 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
     parser.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="shard model.safetensors above this size (default 5GB)")
+    parser.add_argument("--max_seq_length", type=int, default=None,
+                        help="tokens sentence-transformers reads (default: the longer of the training length and "
+                             "the base model's own max_seq_length)")
     args = parser.parse_args(argv)
     try:
-        out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size)
+        out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
+                         args.max_seq_length)
     except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
         code = errors.report("infjax.export", e)
         if code is None:

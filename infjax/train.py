@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from tqdm.auto import tqdm
 
 from infjax import config as config_lib, errors
+from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
@@ -102,7 +103,7 @@ SYNTHETIC_SPEC = "synthetic"     # eval.synthetic: the run's own FollowIR-style 
 class TrainResult:
     """What `run` returns."""
 
-    eval: dict                        # {"before": {...}, "after": {...}} of eval.synthetic (as in eval.json)
+    eval: dict                        # {"before": {...}, "after": {...}}: eval.synthetic and eval.canary (eval.json)
     final_step: int
     losses: list[tuple[int, float]]   # (step, loss) of every logged step
     state: state_lib.TrainState
@@ -142,6 +143,36 @@ class Evaluator:
         """eval.json's entry: p-MRR (x100) and nDCG@5 on the synthetic split, and the step."""
         m = self(state, [SYNTHETIC_SPEC])[SYNTHETIC_SPEC]
         return {"p_mrr": m["p_mrr"], "ndcg@5": m["ndcg@5"], "step": int(state.step)}
+
+    def milestone(self, state, canaries: list[str], watch: CanaryWatch, writer, known: dict | None = None) -> dict:
+        """eval.json's "before" / "after" entry: the synthetic split (eval.synthetic) and the canaries.
+
+        `known`: canary scores already computed at this step (the loop's last evaluation), not recomputed."""
+        out = self.synthetic(state) if self.config.eval.synthetic else {"step": int(state.step)}
+        if canaries:
+            scores = dict(known or {})
+            missing = [c for c in canaries if c not in scores]
+            if missing:
+                scores.update(self(state, missing))
+                check_canaries(watch, int(state.step), {c: scores[c] for c in missing}, writer)
+            out["canary"] = {c: scores[c] for c in canaries}
+        return out
+
+
+def check_canaries(watch: CanaryWatch, step: int, scores: dict, writer) -> None:
+    """Log and write (metrics.jsonl) a warning for each canary that dropped by more than its margin."""
+    for w in watch.update(step, scores):
+        log.warning("%s", describe_drop(w))
+        writer.write(w)
+
+
+def describe_milestone(entry: dict) -> str:
+    parts = []
+    if "p_mrr" in entry:
+        parts.append(f"p-MRR {entry['p_mrr']:+.2f}  nDCG@5 {entry['ndcg@5']:.4f}")
+    for spec, m in entry.get("canary", {}).items():
+        parts.append(f"canary {spec} {m['main']:.4f}")
+    return "  ".join(parts)
 
 
 def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: dict, fingerprint: dict):
@@ -202,12 +233,12 @@ def _run(config, workdir: str) -> TrainResult:
     steps = total_steps(config, setup.plan)
     log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
              setup.build.global_rows, setup.plan.steps_per_epoch, steps)
-    specs = config_lib.eval_specs(config)
+    specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
 
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
     evaluator = Evaluator(config, encoder, setup, mesh)
-    evaluator.preload(specs + ([SYNTHETIC_SPEC] if config.eval.synthetic else []))
+    evaluator.preload(specs + canaries + ([SYNTHETIC_SPEC] if config.eval.synthetic else []))
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
         state_lib.abstract_state(params, optimizer, config.train.seed)))
@@ -224,13 +255,13 @@ def _run(config, workdir: str) -> TrainResult:
             log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
         metrics_log.start(start)
 
-        results = {}
-        if config.eval.synthetic:
-            results["before"] = evaluator.synthetic(state)
-            log.info("eval before training (step %d): p-MRR %+.2f  nDCG@5 %.4f", start,
-                     results["before"]["p_mrr"], results["before"]["ndcg@5"])
-        state, losses_seen, preempted = train_loop(config, state, train_step, setup, mesh, ckpts, start, steps,
-                                                   metrics_log, specs, evaluator, config_json, fingerprint)
+        results, watch = {}, CanaryWatch(config.eval.canary_margin)
+        if config.eval.synthetic or canaries:
+            results["before"] = evaluator.milestone(state, canaries, watch, metrics_log)
+            log.info("eval before training (step %d): %s", start, describe_milestone(results["before"]))
+        state, losses_seen, preempted, last_eval = train_loop(
+            config, state, train_step, setup, mesh, ckpts, start, steps, metrics_log, specs, evaluator,
+            config_json, fingerprint, canaries, watch)
         close_checkpoints(ckpts, workdir)      # waits for asynchronous saves
     finally:
         close_checkpoints(ckpts, workdir, quiet=True)
@@ -240,10 +271,10 @@ def _run(config, workdir: str) -> TrainResult:
                     preempted, int(state.step), ckpts.step_dir(int(state.step)))
         return TrainResult(results, int(state.step), losses_seen, state, preempted)
 
-    if config.eval.synthetic:
-        results["after"] = evaluator.synthetic(state)
-        log.info("eval after training (step %d): p-MRR %+.2f  nDCG@5 %.4f", int(state.step),
-                 results["after"]["p_mrr"], results["after"]["ndcg@5"])
+    if config.eval.synthetic or canaries:
+        results["after"] = evaluator.milestone(state, canaries, watch, metrics_log, known=last_eval)
+        log.info("eval after training (step %d): %s", int(state.step), describe_milestone(results["after"]))
+        metrics_log.flush()
         if jax.process_index() == 0:
             storage.write_text(storage.join(workdir, "eval.json"), json.dumps(results, indent=2))
     return TrainResult(results, int(state.step), losses_seen, state, None)
@@ -251,13 +282,17 @@ def _run(config, workdir: str) -> TrainResult:
 
 def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int,
                writer: workdir_lib.MetricsLog, specs: list[str], evaluator: Evaluator, config_json: dict,
-               fingerprint: dict):
-    """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets), checkpoint, stop on a signal.
+               fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None):
+    """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets) and the canaries at
+    eval.every and at the end (warning when a canary drops), checkpoint, stop on a signal.
 
-    Returns (state, [(step, loss)] of the logged steps, the stopping signal's name or None).
+    Returns (state, [(step, loss)] of the logged steps, the stopping signal's name or None, the canary
+    scores of the final step's evaluation or {}).
     """
     plan, build = setup.plan, setup.build
-    losses_seen, preempted = [], None
+    losses_seen, preempted, last_canary = [], None, {}
+    watch = watch or CanaryWatch(config.eval.canary_margin)
+    evaluated = list(dict.fromkeys([*specs, *canaries]))
     t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
     progress = _progress(range(start, steps), start, steps)
     with Preemption() as preemption:
@@ -292,11 +327,13 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 writer.write({"step": done, **metrics})
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}")
-            if specs and (done == steps or (config.eval.every and done % config.eval.every == 0)):
-                scores = evaluator(state, specs)
+            if evaluated and (done == steps or (config.eval.every and done % config.eval.every == 0)):
+                scores = evaluator(state, evaluated)
                 log.info("eval at step %d: %s", done, "  ".join(
                     f"{spec} {v['main']:.4f}" for spec, v in scores.items()))
                 writer.write({"step": done, "eval": scores})
+                last_canary = {c: scores[c] for c in canaries}
+                check_canaries(watch, done, last_canary, writer)
             preempted = agreed_stop(preemption.received, done, ckpts)
             if done % config.checkpoint.every == 0 or done == steps or preempted:
                 save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint},
@@ -304,7 +341,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:
                 break
-    return state, losses_seen, preempted
+    return state, losses_seen, preempted, (last_canary if int(state.step) == steps else {})
 
 
 def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: dict, config_json: dict) -> None:

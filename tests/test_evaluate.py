@@ -1,7 +1,6 @@
 """python -m infjax.evaluate: loaders (hub layouts as local fixtures), exact search, metrics, CLI, cache."""
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -316,12 +315,15 @@ def make_run_dir(workdir, interaction="concat", step=2, noise=0.02):
 
 @needs_minilm
 def test_run_directory_and_its_export_give_the_same_metrics(tmp_path):
-    """A run evaluated by infjax (its config's template and lengths) == its export read by sentence-transformers."""
+    """A run evaluated by infjax (its config's template and lengths) == its export read by sentence-transformers.
+
+    A run directory is evaluated at its training lengths (48 here); the export declares MiniLM's own 256 by
+    default, so it is exported at 48 to compare like with like (test_export checks the default)."""
     from infjax import export
 
     run = make_run_dir(tmp_path / "run")
     exported = str(tmp_path / "exported")
-    assert export.main(["--workdir", run, "--out", exported]) == 0
+    assert export.main(["--workdir", run, "--out", exported, "--max_seq_length", "48"]) == 0
     beir, fir = write_beir(str(tmp_path / "toy")), write_followir(str(tmp_path / "core17-instructions"))
     for dataset in (f"beir:{beir}", f"followir:{fir}"):
         summaries = {}

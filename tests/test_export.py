@@ -40,6 +40,7 @@ def small_config(**overrides):
     c.log_every = 3
     c.checkpoint.every = 3
     c.eval.synthetic = False
+    c.eval.canary = ""
     return config_lib.override(c, overrides)
 
 
@@ -84,6 +85,9 @@ def test_export_folder_layout(exported):
     assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == ["BertModel"]
     readme = open(os.path.join(exported, "README.md")).read()
     assert "'{query} {instruction}'" in readme and "prompt_name=\"query\"" in readme
+    # Trained at 48 tokens, declared at MiniLM's own 256: sentence-transformers must not cut documents at 48.
+    assert json.load(open(os.path.join(exported, "sentence_bert_config.json")))["max_seq_length"] == 256
+    assert "(the folder: 256)" in readme and f"at most {MAX_LEN} tokens in training" in readme
     # nothing but DIR next to it: the temporary folder was renamed into place
     assert os.listdir(os.path.dirname(exported)) == ["model"]
 
@@ -107,6 +111,15 @@ def test_sentence_transformers_and_automodel_reproduce_infjax(shared_run, export
     cos_auto = _cosines(ours, mean)
     print("export cosine (AutoModel mean pooling vs infjax): min", cos_auto.min())
     assert cos_auto.min() >= 0.9999, cos_auto
+
+    # A text longer than the training length is read whole, as infjax reads it at 256 tokens.
+    long_text = " ".join(TEXTS * 3)
+    _, mask = Tokenizer(run.base_path)([long_text], 256)
+    assert 100 < int(np.asarray(mask).astype(bool).sum()) < 256
+    ours_long = _infjax_embed(run.encoder, run.params["shared"], run.base_path, [long_text], max_len=256)
+    assert _cosines(ours_long, _st_embed(exported, [long_text])).min() >= 0.9999
+    cut = _infjax_embed(run.encoder, run.params["shared"], run.base_path, [long_text])
+    assert _cosines(ours_long, cut).min() < 0.9999            # ... which differs from cutting it at 48
 
     # the export carries the trained weights, not the base checkpoint's
     encoder, base_params, _ = load_encoder(run.config.model)
@@ -170,7 +183,22 @@ def test_user_errors_exit_with_code_2(shared_run, tmp_path, capsys):
     assert "step 99" in capsys.readouterr().err
     assert export.main(["--workdir", shared_run, "--out", str(tmp_path / "o"), "--max_shard_size", "lots"]) == 2
     assert "max_shard_size" in capsys.readouterr().err
+    assert export.main(["--workdir", shared_run, "--out", str(tmp_path / "o"), "--max_seq_length", "0"]) == 2
+    assert "--max_seq_length must be >= 1" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "o")
+
+
+def test_max_seq_length_flag_and_rule(shared_run, tmp_path):
+    out = str(tmp_path / "short")
+    assert export.main(["--workdir", shared_run, "--out", out, "--max_seq_length", "64"]) == 0
+    assert json.load(open(os.path.join(out, "sentence_bert_config.json")))["max_seq_length"] == 64
+    base = str(tmp_path / "base")
+    os.makedirs(base)
+    assert export.inference_length(48, base, {"max_position_embeddings": 512}) == 48       # no s-t config
+    with open(os.path.join(base, "sentence_bert_config.json"), "w") as f:
+        json.dump({"max_seq_length": 1024}, f)
+    assert export.inference_length(48, base, {"max_position_embeddings": 512}) == 512      # within positions
+    assert export.inference_length(600, base, {}) == 1024
 
 
 def test_failure_mid_write_leaves_no_folder(shared_run, exported, tmp_path, monkeypatch):
@@ -249,6 +277,7 @@ def test_decoder_export_left_padding_last_token(tmp_path):
     export.export_model(out, family="llama", params=params, hf_config=load_hf_config(path), base_path=path,
                         pooling="last", padding_side="left", query_max_len=16, passage_max_len=16)
     assert json.load(open(os.path.join(out, "tokenizer_config.json")))["padding_side"] == "left"
+    assert json.load(open(os.path.join(out, "sentence_bert_config.json")))["max_seq_length"] == 16   # base has none
     assert json.load(open(os.path.join(out, "1_Pooling", "config.json")))["pooling_mode_lasttoken"]
     ours = _infjax_embed(encoder, params["shared"], path, TEXTS, max_len=16)
     cos = _cosines(ours, _st_embed(out, TEXTS))

@@ -24,7 +24,7 @@ from tests.conftest import changed  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False",
+CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False", "--config.eval.canary=",
              "--config.data.query_max_len=32", "--config.data.passage_max_len=32",
              "--config.loss.instruction_negatives=2", "--config.train.batch_size=8", "--config.log_every=1",
              "--config.checkpoint.every=2"]

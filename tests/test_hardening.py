@@ -312,4 +312,45 @@ def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_fold
     assert p.returncode == 3, out[-3000:]
     assert re.search(r"saving checkpoint 2 in .*checkpoints failed: .*File too large.*removed its unfinished "
                      r"folder.*no checkpoint of this run is complete", out), out[-3000:]
+    assert "Traceback" not in out and len(out.splitlines()) < 40, out[-3000:]   # was 2,158 lines, 308 traces
     assert os.listdir(workdir / "checkpoints") == []
+
+
+def test_follow_on_errors_of_a_failed_save_are_counted_not_printed(capsys):
+    """tensorstore's late callbacks into Orbax's closed loop (unraisable, one per pending write) become one count;
+    Orbax's own error lines keep their message and lose their traceback; anything else is shown as before."""
+    import types
+
+    def unraisable(message):
+        return types.SimpleNamespace(exc_type=RuntimeError, exc_value=RuntimeError(message), exc_traceback=None,
+                                     err_msg=None, object=None)
+
+    shown = []
+    previous, sys.unraisablehook = sys.unraisablehook, shown.append
+    try:
+        with errors.closed_loop_callbacks_counted("prog"):
+            for _ in range(3):
+                sys.unraisablehook(unraisable("Event loop is closed"))
+            sys.unraisablehook(unraisable("something else"))
+    finally:
+        sys.unraisablehook = previous
+    assert [str(u.exc_value) for u in shown] == ["something else"]
+    assert "prog: warning: 3 storage callbacks arrived after the checkpoint writer closed" in capsys.readouterr().err
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(logging.Formatter().format(record))
+    logger = logging.getLogger("absl")
+    logger.addHandler(handler)
+    try:
+        with errors.library_errors_one_line():
+            for path in ("/site-packages/orbax/checkpoint/future.py", "/work/infjax/train.py"):
+                try:
+                    raise ValueError("OUT_OF_RANGE: write failed")
+                except ValueError:
+                    logger.handle(logger.makeRecord("absl", logging.ERROR, path, 1, "failed: %s",
+                                                    ("x",), sys.exc_info()))
+    finally:
+        logger.removeHandler(handler)
+    assert records[0] == "failed: x"                                   # Orbax's line, without its traceback
+    assert records[1].startswith("failed: x\nTraceback") and "OUT_OF_RANGE" in records[1]   # ours keep theirs

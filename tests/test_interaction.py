@@ -1,6 +1,5 @@
 """Interaction II (cross-attention head, SPEC §2.3) against a per-pair NumPy computation."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -86,6 +86,9 @@ def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
         assert ev_b[when]["step"] == ev_a[when]["step"]
         for metric in ("p_mrr", "ndcg@5"):
             assert ev_b[when][metric] == pytest.approx(ev_a[when][metric], abs=1e-6), (when, metric)
+        assert set(ev_a[when]["canary"]) == set(ev_b[when]["canary"]) == {"lee", "docstrings"}   # the defaults
+        for spec, metrics in ev_a[when]["canary"].items():
+            assert ev_b[when]["canary"][spec] == pytest.approx(metrics, abs=1e-5), (when, spec)
     diff = _max_param_diff(single, multi)
     print(f"2 processes vs 1 process: max |param diff| {diff:.3g}")
     assert diff < 1e-5
@@ -125,7 +128,9 @@ def test_eval_sets_interaction_ii_and_fsdp_with_two_processes(tmp_path):
 
     ea, eb = evals(single), evals(multi)
     print("eval.sets, 1 process:", ea, "\neval.sets, 2 processes:", eb)
-    assert len(ea) == len(eb) == 1 and set(eb[0]["eval"]) == {"synthetic", f"beir:{beir}"}
+    canaries = config_lib.canary_specs(_default_config(**extra))    # the default's general-retrieval canaries
+    assert canaries and len(ea) == len(eb) == 1
+    assert set(eb[0]["eval"]) == {"synthetic", f"beir:{beir}", *canaries}
     for spec, metrics in ea[0]["eval"].items():
         assert eb[0]["eval"][spec] == pytest.approx(metrics, abs=1e-6), spec
     ev_a, ev_b = (json.load(open(os.path.join(w, "eval.json"))) for w in (single, multi))

