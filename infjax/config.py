@@ -16,6 +16,7 @@ from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.registry import FAMILIES
+from infjax.training.writers import WRITERS as LOG_WRITERS
 
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
@@ -60,6 +61,9 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.preset = arg or "embedded"       # which preset was applied (informational)
     c.resume = False                   # continue from the latest checkpoint in --workdir
     c.log_every = 10                   # steps between log lines / metrics.jsonl records
+    c.log = ml_collections.ConfigDict()
+    c.log.writers = "jsonl,tensorboard"  # where records go (comma-separated): jsonl = WORKDIR/metrics.jsonl
+                                       # (required), tensorboard = event files in WORKDIR/tensorboard/
 
     c.loss = ml_collections.ConfigDict()
     c.loss.temperature = 0.05          # tau in sim = <x, y> / tau
@@ -174,7 +178,7 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
-RESUMABLE_CHANGES = ("resume", "preset", "log_every", "train.steps", "train.epochs", "train.nonfinite",
+RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "train.epochs", "train.nonfinite",
                      "data.resume_if_changed",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
@@ -271,6 +275,11 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip, "must be >= 0 (0 = off)")
     _check(c.train.nonfinite in ("skip", "stop"), "train.nonfinite", c.train.nonfinite, "must be skip or stop")
     _check(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
+    writers = [w.strip() for w in c.log.writers.split(",") if w.strip()]
+    for w in writers:
+        _check(w in LOG_WRITERS, "log.writers", c.log.writers, f"unknown writer {w!r}; choose from {list(LOG_WRITERS)}")
+    _check("jsonl" in writers, "log.writers", c.log.writers,
+           "must include jsonl (metrics.jsonl is the run's own record, trimmed and continued on resume)")
     _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = only at the end)")

@@ -22,15 +22,14 @@ import time
 import jax
 from absl import app, flags
 from ml_collections import config_flags
-from tqdm.auto import tqdm
 
 from infjax import config as config_lib, errors
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
-from infjax.training import checkpoint, distributed, mesh as mesh_lib, state as state_lib, storage, \
-    workdir as workdir_lib
+from infjax.training import checkpoint, console, distributed, mesh as mesh_lib, state as state_lib, storage, \
+    workdir as workdir_lib, writers as writers_lib
 from infjax.training.restore import saved_steps
 from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
     make_objective, total_steps
@@ -248,7 +247,18 @@ def _run(config, workdir: str) -> TrainResult:
 
     config_json = json.loads(config.to_json_best_effort())
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
-    metrics_log = workdir_lib.MetricsLog(workdir, enabled=jax.process_index() == 0)
+    metrics_log = writers_lib.Writers(workdir, writers_lib.writer_names(config.log.writers), config_json,
+                                      enabled=jax.process_index() == 0)
+    try:                   # the views (TensorBoard) are closed on every path
+        return _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs,
+                      evaluator, config_json, fingerprint, canaries)
+    finally:
+        metrics_log.close()
+
+
+def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs, evaluator,
+           config_json, fingerprint, canaries) -> TrainResult:
+    """Restore or start, evaluate before, train, evaluate after; eval.json."""
     try:                   # the manager is closed on every path (else its threads report errors at exit)
         start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
         if start >= steps:
@@ -257,8 +267,11 @@ def _run(config, workdir: str) -> TrainResult:
 
         results, watch = {}, CanaryWatch(config.eval.canary_margin)
         if config.eval.synthetic or canaries:
+            t0 = time.perf_counter()
             results["before"] = evaluator.milestone(state, canaries, watch, metrics_log)
-            log.info("eval before training (step %d): %s", start, describe_milestone(results["before"]))
+            metrics_log.view({"step": start, "eval": milestone_sets(results["before"])})
+            log.info("eval before training (step %d, %.1f s): %s", start, time.perf_counter() - t0,
+                     describe_milestone(results["before"]))
         state, losses_seen, preempted, last_eval = train_loop(
             config, state, train_step, setup, mesh, ckpts, start, steps, metrics_log, specs, evaluator,
             config_json, fingerprint, canaries, watch)
@@ -272,16 +285,25 @@ def _run(config, workdir: str) -> TrainResult:
         return TrainResult(results, int(state.step), losses_seen, state, preempted)
 
     if config.eval.synthetic or canaries:
+        t0 = time.perf_counter()
         results["after"] = evaluator.milestone(state, canaries, watch, metrics_log, known=last_eval)
-        log.info("eval after training (step %d): %s", int(state.step), describe_milestone(results["after"]))
+        metrics_log.view({"step": int(state.step), "eval": milestone_sets(results["after"])})
+        log.info("eval after training (step %d, %.1f s): %s", int(state.step), time.perf_counter() - t0,
+                 describe_milestone(results["after"]))
         metrics_log.flush()
         if jax.process_index() == 0:
             storage.write_text(storage.join(workdir, "eval.json"), json.dumps(results, indent=2))
     return TrainResult(results, int(state.step), losses_seen, state, None)
 
 
+def milestone_sets(entry: dict) -> dict:
+    """An eval.json entry as {set: metrics}: the synthetic split (p-MRR, nDCG@5) and the canaries."""
+    synthetic = {SYNTHETIC_SPEC: {k: entry[k] for k in ("p_mrr", "ndcg@5")}} if "p_mrr" in entry else {}
+    return {**synthetic, **entry.get("canary", {})}
+
+
 def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int,
-               writer: workdir_lib.MetricsLog, specs: list[str], evaluator: Evaluator, config_json: dict,
+               writer: writers_lib.Writers, specs: list[str], evaluator: Evaluator, config_json: dict,
                fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None):
     """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets) and the canaries at
     eval.every and at the end (warning when a canary drops), checkpoint, stop on a signal.
@@ -294,8 +316,8 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
     watch = watch or CanaryWatch(config.eval.canary_margin)
     evaluated = list(dict.fromkeys([*specs, *canaries]))
     t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
-    progress = _progress(range(start, steps), start, steps)
-    with Preemption() as preemption:
+    with Preemption() as preemption, console.progress(range(start, steps), start, steps,
+                                                      enabled=jax.process_index() == 0) as progress:
         for step in progress:
             batch = mesh_lib.global_batch(build(step), mesh)
             state, metrics = train_step(state, batch)
@@ -328,8 +350,9 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}")
             if evaluated and (done == steps or (config.eval.every and done % config.eval.every == 0)):
+                t0 = time.perf_counter()
                 scores = evaluator(state, evaluated)
-                log.info("eval at step %d: %s", done, "  ".join(
+                log.info("eval at step %d (%.1f s): %s", done, time.perf_counter() - t0, "  ".join(
                     f"{spec} {v['main']:.4f}" for spec, v in scores.items()))
                 writer.write({"step": done, "eval": scores})
                 last_canary = {c: scores[c] for c in canaries}
@@ -400,12 +423,6 @@ def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Excepti
         + (f"; removed its unfinished folder(s) {removed}" if removed else "")
         + (f"; the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
            f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
-
-
-def _progress(it, start: int, total: int):
-    if jax.process_index() != 0:
-        return it
-    return tqdm(it, initial=start, total=total, desc="train", dynamic_ncols=True, file=sys.stderr)
 
 
 def main(argv) -> None:
