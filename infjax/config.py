@@ -16,7 +16,7 @@ from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.registry import FAMILIES
-from infjax.training.writers import WRITERS as LOG_WRITERS
+from infjax.training.writers import WRITERS as LOG_WRITERS, writer_names
 
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
@@ -207,12 +207,17 @@ def incompatible_changes(saved: dict, current: dict) -> list[tuple[str, object, 
     return diffs
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated config value as its non-empty items."""
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
 def eval_specs(c: ml_collections.ConfigDict) -> list[str]:
-    return [s.strip() for s in c.eval.sets.split(",") if s.strip()]
+    return _names(c.eval.sets)
 
 
 def canary_specs(c: ml_collections.ConfigDict) -> list[str]:
-    return [s.strip() for s in c.eval.canary.split(",") if s.strip()]
+    return _names(c.eval.canary)
 
 
 def _check(cond: bool, key: str, value, why: str) -> None:
@@ -275,7 +280,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip, "must be >= 0 (0 = off)")
     _check(c.train.nonfinite in ("skip", "stop"), "train.nonfinite", c.train.nonfinite, "must be skip or stop")
     _check(c.log_every >= 1, "log_every", c.log_every, "must be >= 1")
-    writers = [w.strip() for w in c.log.writers.split(",") if w.strip()]
+    writers = writer_names(c.log.writers)
     for w in writers:
         _check(w in LOG_WRITERS, "log.writers", c.log.writers, f"unknown writer {w!r}; choose from {list(LOG_WRITERS)}")
     _check("jsonl" in writers, "log.writers", c.log.writers,

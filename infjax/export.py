@@ -162,6 +162,11 @@ def base_max_seq_length(base_path: str) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def _check_max_seq_length(max_seq_length: int | None) -> None:
+    if max_seq_length is not None and max_seq_length < 1:
+        raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
+
+
 def inference_length(trained: int, base_path: str, hf_config: Mapping[str, Any]) -> int:
     """The max_seq_length an export declares: the longer of the training truncation and the base model's
     own max_seq_length, within its position table.
@@ -348,8 +353,7 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     if extra:
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
     head = params.get("interaction")
-    if max_seq_length is not None and max_seq_length < 1:
-        raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
+    _check_max_seq_length(max_seq_length)
     length = (lambda trained: max_seq_length if max_seq_length else   # noqa: E731
               inference_length(trained, base_path, hf_config))
     if "shared" in params:
@@ -404,8 +408,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
     out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
     parse_size(max_shard_size)
-    if max_seq_length is not None and max_seq_length < 1:
-        raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
+    _check_max_seq_length(max_seq_length)
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
     run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
     config = run.config

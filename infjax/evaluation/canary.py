@@ -49,7 +49,7 @@ import math
 import os
 import re
 
-from infjax.evaluation.types import BEIR_METRICS, DataError, RetrievalTask
+from infjax.evaluation.types import BEIR_METRICS, DataError, RetrievalTask, spec_options
 
 FILES = {       # name -> sha256 (gensim 4.4.0)
     "lee.cor": "a878f9a58f6743c32985c56c2f2f75988386216b38a4023a01fd3bcf7884d93e",
@@ -104,15 +104,7 @@ def grade(similarity: float) -> int:
 
 def parse_options(options: str) -> int:
     """`distractors=N` (default all 300) -> N."""
-    distractors = NUM_BACKGROUND
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, eq, value = item.partition("=")
-        if key != "distractors" or not eq:
-            raise DataError(f"--dataset=lee:{options}: expected distractors=N, got {item!r}")
-        try:
-            distractors = int(value)
-        except ValueError:
-            raise DataError(f"--dataset=lee:{options}: distractors must be an integer, got {value!r}") from None
+    distractors = spec_options("lee", options, {"distractors": NUM_BACKGROUND})["distractors"]
     if not 0 <= distractors <= NUM_BACKGROUND:
         raise DataError(f"--dataset=lee:{options}: distractors must be in [0, {NUM_BACKGROUND}], got {distractors}")
     return distractors
@@ -207,22 +199,14 @@ def docstring_pairs(package: str) -> list[tuple[str, str, str]]:
 
 def parse_docstring_options(options: str) -> tuple[tuple[str, ...], int]:
     """`packages=a+b,limit=N` -> ((a, b), N)."""
-    packages, limit = DOCSTRING_PACKAGES, DOCSTRING_LIMIT
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, eq, value = item.partition("=")
-        if key == "packages" and eq and value:
-            packages = tuple(v for v in value.split("+") if v)
-        elif key == "limit" and eq:
-            try:
-                limit = int(value)
-            except ValueError:
-                raise DataError(f"--dataset=docstrings:{options}: limit must be an integer, got {value!r}") from None
-            if limit < 0:
-                raise DataError(f"--dataset=docstrings:{options}: limit must be >= 0 (0 = every pair)")
-        else:
-            raise DataError(f"--dataset=docstrings:{options}: expected packages=NAME[+NAME...] or limit=N, "
-                            f"got {item!r}")
-    return packages, limit
+    d = spec_options("docstrings", options, {"packages": "+".join(DOCSTRING_PACKAGES), "limit": DOCSTRING_LIMIT},
+                     forms={"packages": "NAME[+NAME...]"})
+    packages = tuple(v for v in d["packages"].split("+") if v)
+    if not packages:
+        raise DataError(f"--dataset=docstrings:{options}: packages names no package (packages=NAME[+NAME...])")
+    if d["limit"] < 0:
+        raise DataError(f"--dataset=docstrings:{options}: limit must be >= 0 (0 = every pair)")
+    return packages, d["limit"]
 
 
 def load_docstrings(options: str = "") -> RetrievalTask:

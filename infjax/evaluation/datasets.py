@@ -50,7 +50,7 @@ from infjax.data import synthetic
 from infjax.data.types import FollowIRSplit
 from infjax.evaluation import canary
 from infjax.evaluation.types import (BEIR_METRICS, DataError, FollowIRTask,  # noqa: F401
-                                     RetrievalTask, Task)
+                                     RetrievalTask, Task, spec_options)
 
 log = logging.getLogger("infjax.eval_data")
 
@@ -339,14 +339,7 @@ def load_synthetic(options: str, defaults: dict | None = None) -> FollowIRTask:
     if defaults:
         d.update({"seed": defaults.get("seed", 0), "num_queries": defaults.get("num_eval_queries", 45),
                   "pool_size": defaults.get("pool_size", 24)})
-    for item in filter(None, (s.strip() for s in options.split(","))):
-        key, eq, value = item.partition("=")
-        if key not in d or not eq:
-            raise DataError(f"--dataset=synthetic:{options}: expected key=value with keys {sorted(d)}, got {item!r}")
-        try:
-            d[key] = int(value)
-        except ValueError:
-            raise DataError(f"--dataset=synthetic:{options}: {key} must be an integer, got {value!r}") from None
+    d = spec_options("synthetic", options, d)
     try:
         split_ = synthetic.make_eval_split(d["num_queries"], d["seed"], d["pool_size"])
     except ValueError as e:

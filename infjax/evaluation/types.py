@@ -14,6 +14,26 @@ class DataError(UserError, ValueError):
     """A dataset that cannot be evaluated; the message names the file, field, line or id."""
 
 
+def spec_options(kind: str, options: str, defaults: dict, forms: dict[str, str] | None = None) -> dict:
+    """The `key=value,...` options of a dataset spec (`kind:options`) over `defaults`; a key's value is an
+    integer where its default is one. An unknown key or a non-integer is a DataError naming the spec;
+    `forms` shows a text key's value in that message (default "...")."""
+    out = dict(defaults)
+    for item in filter(None, (s.strip() for s in options.split(","))):
+        key, eq, value = item.partition("=")
+        if key not in out or not eq:
+            wanted = " or ".join(f"{k}=N" if isinstance(v, int) else f"{k}={(forms or {}).get(k, '...')}"
+                                 for k, v in defaults.items())
+            raise DataError(f"--dataset={kind}:{options}: expected {wanted}, got {item!r}")
+        if isinstance(defaults[key], int):
+            try:
+                value = int(value)
+            except ValueError:
+                raise DataError(f"--dataset={kind}:{options}: {key} must be an integer, got {value!r}") from None
+        out[key] = value
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class RetrievalTask:
     """Retrieve from the whole corpus for each judged query."""
