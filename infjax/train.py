@@ -287,7 +287,9 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
     if config.eval.synthetic or canaries:
         t0 = time.perf_counter()
         results["after"] = evaluator.milestone(state, canaries, watch, metrics_log, known=last_eval)
-        metrics_log.view({"step": int(state.step), "eval": milestone_sets(results["after"])})
+        in_loop = set(specs) | set(canaries) if start < steps else set()   # the loop's last evaluation wrote these
+        metrics_log.view({"step": int(state.step), "eval": {k: v for k, v in milestone_sets(results["after"]).items()
+                                                            if k not in in_loop}})
         log.info("eval after training (step %d, %.1f s): %s", int(state.step), time.perf_counter() - t0,
                  describe_milestone(results["after"]))
         metrics_log.flush()

@@ -28,8 +28,9 @@ def writer_names(spec: str) -> list[str]:
 
 
 def _tag(name: str) -> str:
-    """A set's name as one TensorBoard tag component (a path's slashes would nest it into groups)."""
-    return re.sub(r"[^\w.@:=,+-]", "_", name)
+    """A set's or metric's name as one TensorBoard tag component, in the characters TensorBoard allows
+    (letters, digits, _ . -): `ndcg@10` -> `ndcg_10`, a path's slashes would nest it into groups."""
+    return re.sub(r"[^\w.-]", "_", name)
 
 
 def scalars(record: dict) -> dict[str, float]:
@@ -41,7 +42,7 @@ def scalars(record: dict) -> dict[str, float]:
     if "warning" in record:
         return {}
     if "eval" in record:
-        return {f"eval/{_tag(spec)}/{name}": float(v) for spec, metrics in record["eval"].items()
+        return {f"eval/{_tag(spec)}/{_tag(name)}": float(v) for spec, metrics in record["eval"].items()
                 for name, v in metrics.items() if number(v)}
     return {f"train/{k}": float(v) for k, v in record.items() if k != "step" and number(v)}
 
