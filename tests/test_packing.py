@@ -191,6 +191,47 @@ def test_best_fit_rows_places_every_text_once_in_the_smallest_width():
         packing.best_fit_rows([200], (32, 64, 128))
 
 
+@pytest.mark.parametrize("n, shards", [(300, 1), (300, 8), (37, 2), (1, 4)])
+def test_planned_calls_hold_every_text_once_in_few_shapes_and_only_the_last_is_short(n, shards):
+    rng = np.random.default_rng(n)
+    widths = (32, 64, 128, 200)
+    lengths = list(rng.integers(1, 201, size=n))
+    per_call = {32: 64, 64: 32, 128: 16, 200: 8}
+    calls = packing.plan_calls(packing.best_fit_rows(lengths, widths), per_call, shards)
+    assert sorted(i for _, rows in calls for r in rows for i in r) == list(range(n))
+    for width, rows in calls:
+        assert len(rows) % shards == 0
+        assert all(sum(lengths[i] for i in r) <= width for r in rows)
+    *full, (last_width, last) = calls
+    assert all(len(rows) == per_call[w] for w, rows in full)           # one shape per width ...
+    assert len(last) <= per_call[last_width]                              # ... and the short last call
+    assert len(last) // shards & (len(last) // shards - 1) == 0          # of a power of two rows per shard
+    assert all(all(rows) for _, rows in full)                             # no empty row before the last call
+    assert [w for w, _ in calls] == sorted((w for w, _ in calls), reverse=True)
+    with pytest.raises(ValueError, match="do not split over 3 shards"):
+        packing.plan_calls(packing.best_fit_rows(lengths, widths), per_call, 3)
+
+
+def test_cpu_calls_are_cache_sized_and_accelerator_calls_scale_with_the_batch():
+    from infjax.inference import embedders
+    from infjax.training.mesh import default_mesh, make_mesh
+
+    eight, one = default_mesh(), make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+    assert embedders.tokens_per_call(4, eight) == 4 * 128                  # small batches: as many as asked
+    assert embedders.tokens_per_call(256, eight) == 1024 * 8               # capped per device on CPU
+    assert embedders.tokens_per_call(256, one) == 1024
+
+    class FakeGpu:
+        platform = "gpu"
+
+    class GpuMesh:
+        devices = np.array([FakeGpu()])
+        shape = {"data": 1, "fsdp": 1, "tensor": 1}
+        axis_names = ("data", "fsdp", "tensor")
+
+    assert embedders.tokens_per_call(256, GpuMesh()) == 256 * 128
+
+
 def test_packed_text_embedder_equals_padded_on_8_devices():
     """Corpus encoding, packed over a data=8 mesh == padded (MiniLM); more texts than one call holds."""
     from infjax.config import base_config

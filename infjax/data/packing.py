@@ -160,3 +160,44 @@ def pack_rows(tokens: Sequence[np.ndarray], rows: Sequence[Sequence[int]], shard
                 owners[s, slot] = i
                 slot, col = slot + 1, col + n
     return out, owners
+
+
+def plan_calls(rows: Sequence[tuple[int, list[int]]], rows_per_call: dict[int, int],
+               shards: int) -> list[tuple[int, list[list[int]]]]:
+    """Group packed rows (width, text indices) into encoder calls (width, rows) of few static shapes.
+
+    Every call of a width has ``rows_per_call[width]`` rows (a multiple of `shards`), widest first. The
+    empty rows of a width's last call are filled with rows of narrower widths laid side by side (their
+    widths sum to at most the call's width; the texts stay separate segments), so no call runs half
+    empty while narrower texts wait. Only the very last call can be short: it gets the fewest rows, a
+    power of two times `shards`, that hold what is left. Empty rows are ``[]``.
+    """
+    by_width: dict[int, list[list[int]]] = {}
+    for width, texts in rows:
+        by_width.setdefault(width, []).append(list(texts))
+    widths = sorted(by_width, reverse=True)
+    calls: list[tuple[int, list[list[int]]]] = []
+    for i, width in enumerate(widths):
+        mine, per_call = by_width[width], rows_per_call[width]
+        if per_call % shards:
+            raise ValueError(f"{per_call} rows per call of width {width} do not split over {shards} shards")
+        full = len(mine) - len(mine) % per_call
+        calls += [(width, mine[k:k + per_call]) for k in range(0, full, per_call)]
+        tail = mine[full:]
+        if not tail:
+            continue
+        narrower = widths[i + 1:]
+        while len(tail) < per_call and any(by_width[w] for w in narrower):
+            merged, room = [], width
+            for w in narrower:                                   # widest first
+                while by_width[w] and w <= room:
+                    merged += by_width[w].pop()
+                    room -= w
+            tail.append(merged)
+        if len(tail) < per_call:                                 # nothing narrower is left: the last call
+            n = shards
+            while n < len(tail):
+                n *= 2
+            tail += [[] for _ in range(min(n, per_call) - len(tail))]
+        calls.append((width, tail))
+    return calls

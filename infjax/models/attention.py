@@ -92,15 +92,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     if dropout is not None:
         out = _explicit(qh, kh, vh, segment_ids, jnp.arange(t), causal, window, dropout)
     elif t <= block or t % block:
-        out = _fused(qh, kh, vh, segment_ids, jnp.asarray(-1 if window is None else window), causal)
+        out = _fused(qh, kh, vh, segment_ids, jnp.asarray(-1 if window is None else window), causal,
+                     window is not None)
     else:
         out = _blockwise(qh, kh, vh, segment_ids, causal, window, block)
     return jnp.swapaxes(out, 1, 2)
 
 
 def _mask(segment_ids, q_index, k_index, causal, window):
-    """[B, 1, T', S] of query rows q_index; `window` < 0 means none (it may be a traced scalar)."""
-    q_seg = jnp.take(segment_ids, q_index, axis=1)
+    """[B, 1, T', S] of query rows q_index (None: all rows); `window` None or < 0 means none (it may be a
+    traced scalar)."""
+    if q_index is None:
+        q_seg, q_index = segment_ids, jnp.arange(segment_ids.shape[1])
+    else:
+        q_seg = jnp.take(segment_ids, q_index, axis=1)
     mask = (q_seg[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
     if causal:
         mask = mask & (k_index[None, :] <= q_index[:, None])[None]
@@ -110,22 +115,29 @@ def _mask(segment_ids, q_index, k_index, causal, window):
     return mask[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused(qh, kh, vh, segment_ids, window, causal):
+def _bias(mask):
+    """0 where attended, -1e30 elsewhere, added to the scores: XLA:CPU runs an added bias ~1.4x faster
+    than a select over the broadcast mask (MiniLM, [8, 12, 128, 128]). A masked score becomes -1e30
+    exactly in float32, so a row with no attended key stays a uniform average, as before."""
+    return jnp.where(mask, 0.0, -1e30).astype(jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused(qh, kh, vh, segment_ids, window, causal, windowed):
     """Attention with a hand-written backward that keeps only the output and the log-sum-exp
-    (the scores are recomputed), as flash attention does; one pass over the scores per direction."""
-    return _fused_fwd(qh, kh, vh, segment_ids, window, causal)[0]
+    (the scores are recomputed), as flash attention does; one pass over the scores per direction.
+    `windowed` (static) says whether `window` (a scalar, maybe traced) applies at all."""
+    return _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed)[0]
 
 
-def _scores(qh, kh, segment_ids, window, causal):
-    t = qh.shape[2]
+def _scores(qh, kh, segment_ids, window, causal, windowed):
     scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * qh.shape[-1] ** -0.5
-    mask = _mask(segment_ids, jnp.arange(t), jnp.arange(kh.shape[2]), causal, window)
-    return jnp.where(mask, scores, -1e30)
+    mask = _mask(segment_ids, None, jnp.arange(kh.shape[2]), causal, window if windowed else None)
+    return scores + _bias(mask)
 
 
-def _fused_fwd(qh, kh, vh, segment_ids, window, causal):
-    scores = _scores(qh, kh, segment_ids, window, causal)
+def _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed):
+    scores = _scores(qh, kh, segment_ids, window, causal, windowed)
     top = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - top)
     total = jnp.sum(weights, axis=-1, keepdims=True)
@@ -133,9 +145,9 @@ def _fused_fwd(qh, kh, vh, segment_ids, window, causal):
     return out, (qh, kh, vh, segment_ids, window, out, top + jnp.log(total))
 
 
-def _fused_bwd(causal, res, d_out):
+def _fused_bwd(causal, windowed, res, d_out):
     qh, kh, vh, segment_ids, window, out, lse = res
-    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal) - lse)            # [B, N, T, S] float32
+    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal, windowed) - lse)            # [B, N, T, S] float32
     d_out32 = d_out.astype(jnp.float32)
     d_v = jnp.matmul(jnp.swapaxes(probs, -1, -2), d_out32)
     d_probs = jnp.matmul(d_out32, jnp.swapaxes(vh, -1, -2).astype(jnp.float32))
@@ -153,7 +165,7 @@ def _explicit(qh, kh, vh, segment_ids, q_index, causal, window, dropout: Any = N
     """Attention of query rows `q_index` (qh [B, N, T', D]) over all keys (kh, vh [B, N, S, D])."""
     scale = qh.shape[-1] ** -0.5
     scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(_mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window), scores, -1e30)
+    scores = scores + _bias(_mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window))
     scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
     weights = jnp.exp(scores)
     total = jnp.sum(weights, axis=-1, keepdims=True)
