@@ -101,9 +101,10 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.data.passage_max_len = 512       # tokens, passage side (static shape)
     c.data.packing = True              # pack each batch shard's texts into rows of max_len tokens (segment ids,
                                        # nothing cut or dropped) instead of padding every text to max_len;
-                                       # gradient caching (train.chunk_size > 0) always pads
-    c.data.pack_rows_query = 0         # packed rows per batch shard for q (and Interaction II i, qo); 0 = the
-                                       # most any step needs, measured on the host before the first step
+                                       # with gradient caching (train.chunk_size > 0) each chunk is packed apart
+    c.data.pack_rows_query = 0         # packed rows per batch shard (per chunk of one under gradient caching)
+                                       # for q (and Interaction II i, qo); 0 = the most any step needs,
+                                       # measured on the host before the first step
     c.data.pack_rows_passage = 0       # ... for passages
     c.data.pack_rows_negatives = 0     # ... for the instruction negatives (K per row)
     c.data.pack_length_query = 0       # tokens per packed row, query side (0 = the longest query text of the run

@@ -318,6 +318,21 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
     watch = watch or CanaryWatch(config.eval.canary_margin)
     evaluated = list(dict.fromkeys([*specs, *canaries]))
     t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
+    # train.nonfinite=stop: a step's `finite` flag is read once the next step is queued (or before a log
+    # line, an evaluation or a checkpoint), so the host never waits on the step it just dispatched.
+    unchecked: list[tuple[int, jax.Array]] = []
+
+    def check_finite():
+        for checked_step, finite in unchecked:
+            if not bool(finite):
+                pos = plan.position(checked_step)
+                raise NonFiniteError(
+                    f"non-finite loss, gradient or updated parameters at step {checked_step} (epoch {pos['epoch']}, "
+                    f"batch {pos['offset']} of the epoch, records {plan.record_indices(checked_step).tolist()}); "
+                    f"the parameters were not updated. Latest checkpoint: {ckpts.latest_step()}. "
+                    f"--config.train.nonfinite=skip skips such steps instead.")
+        unchecked.clear()
+
     with Preemption() as preemption, console.progress(range(start, steps), start, steps,
                                                       enabled=jax.process_index() == 0) as progress:
         for step in progress:
@@ -327,14 +342,11 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
             if ckpts.pending is not None:      # a background save that failed stops the run now, not at the next
                 poll_saves(ckpts)
             done = step + 1
-            if config.train.nonfinite == "stop" and not bool(metrics["finite"]):
-                pos = plan.position(step)
-                raise NonFiniteError(
-                    f"non-finite loss, gradient or updated parameters at step {step} (epoch {pos['epoch']}, batch {pos['offset']} "
-                    f"of the epoch, records {plan.record_indices(step).tolist()}); the parameters were not "
-                    f"updated. Latest checkpoint: {ckpts.latest_step()}. "
-                    f"--config.train.nonfinite=skip skips such steps instead.")
+            if config.train.nonfinite == "stop":
+                check_finite()                 # the previous step's flag: it ran before this one
+                unchecked.append((step, metrics["finite"]))
             if done % config.log_every == 0 or done == steps:
+                check_finite()
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 metrics["skipped_steps"] = int(state.skipped)
                 now = time.perf_counter()
@@ -352,6 +364,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}")
             if evaluated and (done == steps or (config.eval.every and done % config.eval.every == 0)):
+                check_finite()
                 t0 = time.perf_counter()
                 scores = evaluator(state, evaluated)
                 log.info("eval at step %d (%.1f s): %s", done, time.perf_counter() - t0, "  ".join(
@@ -361,6 +374,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 check_canaries(watch, done, last_canary, writer)
             preempted = agreed_stop(preemption.received, done, ckpts)
             if done % config.checkpoint.every == 0 or done == steps or preempted:
+                check_finite()
                 save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint},
                                 config_json)
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint

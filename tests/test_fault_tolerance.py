@@ -194,10 +194,14 @@ def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monk
 
 @pytest.mark.slow      # in CI (.ci/run runs -m slow); the skip variant runs by default
 def test_injected_inf_step_stops_the_run_naming_the_step(tmp_path, monkeypatch):
-    _poison_step(monkeypatch, poisoned_step=1)
-    with pytest.raises(train.NonFiniteError, match=r"at step 1 \(epoch 0, batch 1 of the epoch, records \["):
-        train.run(small_config(**{"train.steps": 3, "train.nonfinite": "stop", "eval.synthetic": False}),
-                  str(tmp_path))
+    # The flag is read a step late (no host sync per step) but always before a checkpoint: step 3 ends
+    # at a checkpoint boundary (every 2), so checkpoint 4 must not be written.
+    _poison_step(monkeypatch, poisoned_step=3)
+    with pytest.raises(train.NonFiniteError, match=r"at step 3 \(epoch 0, batch 3 of the epoch, records \[.*"
+                                                   r"Latest checkpoint: 2\."):
+        train.run(small_config(**{"train.steps": 5, "checkpoint.every": 2, "log_every": 5, "train.nonfinite": "stop",
+                                  "eval.synthetic": False}), str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
 
 
 def test_unwritable_workdir_is_refused_before_training(tmp_path):

@@ -1,4 +1,6 @@
 """Gradient caching equals the plain step (loss and gradients), for every kind of encoder input."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -29,7 +31,9 @@ def test_chunks_of_a_sharded_batch_take_rows_from_every_device():
     assert {s.data.shape for s in chunks.addressable_shards} == {(3, 1, 2)}
 
 
-def _batch_and_fns(config, mesh, chunk_size):
+def _batch_and_fns(config, mesh, chunk_size, packed=False):
+    """Params, the plain step's padded batch, the cached step's batch (packed per chunk when `packed`), and
+    both gradient functions."""
     encoder, params, path = load_encoder(config.model)
     records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
@@ -40,25 +44,42 @@ def _batch_and_fns(config, mesh, chunk_size):
                                  interaction=config.model.interaction)
     objective = losses.Objective.from_name(config.objective)
     batch = mesh_lib.global_batch(build(0), mesh)
+    cached_batch = batch
+    if packed:
+        shards = mesh_lib.batch_shards(mesh)
+        sides = build.side_texts(0)[0]
+        build = dataclasses.replace(build, shards=shards, pack_lengths={"query": 96, "passage": 96},
+                                    chunks={side: len(texts) // chunk_size for side, texts in sides.items()})
+        build = dataclasses.replace(build, capacities=batches.measure_capacities(build, range(1), shards))
+        cached_batch = mesh_lib.global_batch(build(0), mesh)
     optimizer, _ = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
     plain = jax.jit(step_lib.make_grad_fn(encoder, objective))
     cached = jax.jit(step_lib.make_grad_fn(encoder, objective, chunk_size=chunk_size, mesh=mesh))
-    return state.params, batch, plain, cached
+    return state.params, batch, cached_batch, plain, cached
 
 
-@pytest.mark.parametrize("objective, interaction, mesh_shape", [
-    ("multi_piiq", "concat", (8, 1)),            # P, IQ and I sets; instruction negatives iq_neg [R, K, d]
-    pytest.param("uni_piiq", "cross_attention", (2, 4), marks=pytest.mark.slow),   # Interaction II: i_vec, query
-    # token states, p; fsdp params (slow: in CI)
+@pytest.mark.parametrize("objective, interaction, mesh_shape, packed", [
+    ("multi_piiq", "concat", (8, 1), False),     # P, IQ and I sets; instruction negatives iq_neg [R, K, d]
+    ("multi_piiq", "concat", (8, 1), True),      # ... each chunk packed apart (rows of 96 tokens)
+    pytest.param("uni_piiq", "cross_attention", (2, 4), False, marks=pytest.mark.slow),   # Interaction II:
+    # i_vec, query token states, p; fsdp params (slow: in CI)
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, marks=pytest.mark.slow),
 ])
-def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape):
+def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed):
+    # Packed: 48 rows in chunks of 16, so each of the 8 batch shards packs 2 texts per chunk (2 x 2 for
+    # the instruction negatives) and rows hold several texts.
     config = small_config(objective, **{"model.interaction": interaction, "mesh.data": mesh_shape[0],
-                                        "mesh.fsdp": mesh_shape[1]})
+                                        "mesh.fsdp": mesh_shape[1], "train.batch_size": 16 if packed else 8})
     mesh = mesh_lib.make_mesh(config.mesh)
-    params, batch, plain, cached = _batch_and_fns(config, mesh, chunk_size=8)   # 24 rows: 3 chunks
+    params, batch, cached_batch, plain, cached = _batch_and_fns(config, mesh, 16 if packed else 8, packed)
+    if packed:
+        sides = {k: v for k, v in cached_batch.items() if isinstance(v, dict)}
+        assert {k: v["first"].shape[1] for k, v in sides.items()} == (
+            {"p": 3, "q": 3, "n": 6} if interaction == "concat" else {"p": 3, "i": 3, "qo": 3})
+        assert max(int(np.max(v["mask"])) for v in sides.values()) >= 2      # a row holds 2 texts or more
     (loss_a, metrics_a), grads_a = plain(params, batch, None)
-    (loss_b, metrics_b), grads_b = cached(params, batch, None)
+    (loss_b, metrics_b), grads_b = cached(params, cached_batch, None)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
                zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
     scale = max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(grads_a))

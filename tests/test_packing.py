@@ -57,6 +57,26 @@ def test_pack_round_trip_and_overflow_names_the_input():
         packing.pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
 
 
+def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
+    """Gradient caching packs chunk c of shard s apart: texts s*n + c, s*n + c + C, ... (n texts per shard)."""
+    tokens = _tokens() * 3                               # 24 texts, 2 shards x 3 chunks x 4 texts
+    capacity = packing.capacity_for([[len(t) for t in tokens]], 2, PACK, chunks=3)
+    out = packing.pack(tokens, 2, capacity, pad_id=0, what="passages", chunks=3)
+    assert out["ids"].shape == (2, 3, capacity.rows, PACK) and out["first"].shape == (2, 3, 4)
+    for s in range(2):
+        for c in range(3):
+            flat = out["ids"][s, c].reshape(-1)
+            for j in range(4):
+                a, b = out["first"][s, c, j], out["last"][s, c, j]
+                np.testing.assert_array_equal(flat[a:b + 1], tokens[s * 12 + c + 3 * j])
+    assert (out["mask"] > 0).sum() == 3 * sum(LENGTHS)
+    tight = packing.Capacity(capacity.rows - 1, PACK)
+    with pytest.raises(packing.PackingOverflow, match=r"passages, shard \d, chunk \d: 4 texts"):
+        packing.pack(tokens, 2, tight, 0, "passages", chunks=3)
+    with pytest.raises(ValueError, match="24 texts do not split into 2 batch shards x 5 chunks"):
+        packing.pack(tokens, 2, capacity, 0, "passages", chunks=5)
+
+
 def test_segment_positions_restart_in_every_segment():
     seg = jnp.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 2, 2, 2]])
     np.testing.assert_array_equal(A.segment_positions(seg), [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 1, 0, 1, 2]])

@@ -8,8 +8,9 @@ is therefore just the step, which makes resuming exact.
 A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
 arrays, `{"q": {"ids", "mask", "text", "first", "last"}, ...}`, one packing
-per batch shard, see data/packing.py). Packed buffers have a fixed capacity
-per side, measured once over every step of the run (`measure_capacities`).
+per batch shard, or per gradient-caching chunk of one, see data/packing.py).
+Packed buffers have a fixed capacity per side, measured once over every step
+of the run (`measure_capacities`).
 """
 from __future__ import annotations
 
@@ -106,6 +107,7 @@ class BatchBuilder:
     shards: int = 1                 # batch shards of this process (packing packs each shard apart)
     capacity_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (error messages)
     pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
+    chunks: dict[str, int] | None = None          # side -> gradient-caching chunks, each packed apart (None: off)
 
     @property
     def global_rows(self) -> int:
@@ -156,7 +158,7 @@ class BatchBuilder:
                 try:
                     batch[side] = packing.pack(self.tokenizer.tokens(t, self.max_len(side)), self.shards,
                                                self.capacities[side], self.tokenizer.pad_id,
-                                               f"step {step}, side {side!r}")
+                                               f"step {step}, side {side!r}", (self.chunks or {}).get(side))
                 except packing.PackingOverflow as e:
                     key = (self.capacity_keys or {}).get(side, "the packing capacity")
                     raise packing.PackingOverflow(f"{e}; raise {key} (0 = measured over the run)") from None
@@ -174,7 +176,8 @@ class BatchBuilder:
 
 
 def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
-    """Per side, the packed capacity (rows x row length per batch shard) that holds every step listed.
+    """Per side, the packed capacity (rows x row length per batch shard, or per chunk of one under gradient
+    caching) that holds every step listed.
 
     The row length is the side's configured pack length, else the longest text of the side over the
     steps rounded up to a multiple of 64 (at most max_len: short texts never pay for a long row's
@@ -195,5 +198,6 @@ def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[s
         configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
         longest = max(max(step) for step in lengths)
         length = configured or min(build.max_len(side), -(-longest // 64) * 64)
-        out[side] = packing.Capacity(packing.capacity_for(lengths, shards, length).rows, length)
+        chunks = (build.chunks or {}).get(side, 1)
+        out[side] = packing.Capacity(packing.capacity_for(lengths, shards, length, chunks).rows, length)
     return out

@@ -15,6 +15,12 @@ input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
 whatever the placement. A padded batch is the special case of one text per
 row. Nothing is ever dropped: a shard whose texts
 do not fit raises :class:`PackingOverflow`, which names what to raise.
+
+Gradient caching encodes a side in ``C`` chunks (training/gradcache.py). Each
+chunk is then packed apart: the arrays get a chunk axis after the shard axis
+(``ids [S, C, rows, length]``, ``first [S, C, n / C]``) and chunk ``c`` of a
+shard holds its texts ``c, c + C, c + 2C, ...`` (strided, as gradcache chunks
+padded rows), so ``rows`` and ``first``/``last`` count within one chunk.
 """
 from __future__ import annotations
 
@@ -89,22 +95,37 @@ def pack_shard(tokens: Sequence[np.ndarray], capacity: Capacity, pad_id: int, wh
     return {"ids": ids, "mask": mask, "text": text, "first": first, "last": last}
 
 
-def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: int, what: str = "texts") -> dict:
-    """Texts in row order -> packed arrays [S, ...]; shard s gets texts s*n .. (s+1)*n - 1 (n = len / S)."""
-    if len(tokens) % shards:
-        raise ValueError(f"{what}: {len(tokens)} texts do not split over {shards} batch shards")
-    n = len(tokens) // shards
-    parts = [pack_shard(tokens[s * n:(s + 1) * n], capacity, pad_id, f"{what}, shard {s}") for s in range(shards)]
-    return {k: np.stack([p[k] for p in parts]) for k in KEYS}
+def groups(count: int, shards: int, chunks: int = 1) -> list[list[range]]:
+    """Text indices packed together: [shard][chunk] -> range. Shard s holds texts s*n .. (s+1)*n - 1
+    (n = count / shards); its chunk c the texts s*n + c, s*n + c + chunks, ... (strided)."""
+    if count % (shards * chunks):
+        raise ValueError(f"{count} texts do not split into {shards} batch shards x {chunks} chunks")
+    n = count // shards
+    return [[range(s * n + c, (s + 1) * n, chunks) for c in range(chunks)] for s in range(shards)]
 
 
-def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int) -> Capacity:
-    """The smallest capacity that holds every batch listed (texts in row order, split over `shards`)."""
+def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: int, what: str = "texts",
+         chunks: int | None = None) -> dict:
+    """Texts in row order -> packed arrays [S, ...]; with `chunks` (gradient caching), [S, C, ...] (see the
+    module doc)."""
+    if len(tokens) % (shards * (chunks or 1)):
+        raise ValueError(f"{what}: {len(tokens)} texts do not split into {shards} batch shards x {chunks} chunks")
+    parts = [[pack_shard([tokens[i] for i in members], capacity, pad_id,
+                         f"{what}, shard {s}" + (f", chunk {c}" if chunks else ""))
+              for c, members in enumerate(shard)] for s, shard in enumerate(groups(len(tokens), shards, chunks or 1))]
+    if chunks is None:
+        return {k: np.stack([shard[0][k] for shard in parts]) for k in KEYS}
+    return {k: np.stack([np.stack([chunk[k] for chunk in shard]) for shard in parts]) for k in KEYS}
+
+
+def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int, chunks: int = 1) -> Capacity:
+    """The smallest capacity that holds every batch listed (texts in row order, split over `shards` and
+    each shard's texts over `chunks`)."""
     rows = 1
     for lengths in lengths_per_batch:
-        n = len(lengths) // shards
-        for s in range(shards):
-            rows = max(rows, rows_needed(lengths[s * n:(s + 1) * n], length))
+        for shard in groups(len(lengths), shards, chunks):
+            for members in shard:
+                rows = max(rows, rows_needed([lengths[i] for i in members], length))
     return Capacity(rows, length)
 
 

@@ -16,7 +16,8 @@ one per (instruction-aware query, passage) pair) is a dict of int32 arrays:
 Packed (data.packing, the default): each side is instead a dict of packed arrays
 under its name ("p", "q", "n", "i", "qo"; data/packing.py), and the encoder
 returns the same outputs in the same row order, so everything after the
-encoder is unchanged.
+encoder is unchanged. Under gradient caching each side's chunks are packed
+apart (arrays [S, C, ...]); gradcache.py encodes one chunk at a time.
 
 `encoder_calls` lists the encoder passes over those arrays and `assemble`
 turns their outputs into `losses.contrastive_loss`'s keyword arguments;
@@ -88,7 +89,9 @@ def _query_mask(batch: dict) -> jax.Array:
     if "qo" not in batch:
         return batch["qo_mask"]
     first, last = batch["qo"]["first"], batch["qo"]["last"]
-    length = batch["qo"]["ids"].shape[2]
+    if first.ndim == 3:             # chunks packed apart [S, C, n / C]: shard s's text j*C + c is at [s, c, j]
+        first, last = (x.swapaxes(1, 2).reshape(x.shape[0], -1) for x in (first, last))
+    length = batch["qo"]["ids"].shape[-1]
     return (jnp.arange(length) <= (last - first)[:, :, None]).astype(jnp.int32).reshape(-1, length)
 
 

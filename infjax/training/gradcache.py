@@ -12,7 +12,9 @@
 Chunks are strided across the batch shards: rows [N] -> [N/n, n] -> swapaxes -> [n, N/n], so
 chunk c holds rows c, c+n, c+2n, ...; with the leading dimension split over the devices, every
 chunk takes chunk_size/devices rows from each device (a contiguous reshape would put a whole
-chunk on few devices). Outputs are put back in row order by the inverse reshape.
+chunk on few devices). Outputs are put back in row order by the inverse reshape. Packed sides
+(data.packing) arrive with each chunk packed apart on the host ([S, C, ...], the same strided
+texts per chunk), so a chunk's pass encodes only its own packed rows.
 
 Without dropout the loss and gradients equal the plain step's to float32 rounding. With dropout
 each chunk draws its own mask (fold_in of the pass's key with the chunk index), the same mask in
@@ -46,6 +48,18 @@ def from_chunks(x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
     return out
 
 
+def packed_chunks(x: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """A packed array [S, C, ...] (data/packing.py) -> [C, S, ...]: chunk c of every batch shard together.
+
+    Chunk c of a shard holds its texts c, c + C, ..., so an encoder pass over chunk c returns the rows
+    that `to_chunks` puts in chunk c, in the same order, and `from_chunks` restores the row order.
+    """
+    out = x.swapaxes(0, 1)
+    if mesh is not None:
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, P(None, BATCH_AXES)))
+    return out
+
+
 def _chunk_keys(key, n_chunks: int):
     if key is None:
         return None
@@ -61,18 +75,22 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
         calls = embed.encoder_calls(encoder, batch)
         chunked = {}
         for name, (fn, ids, mask, k) in calls.items():
-            n = ids.shape[0]
-            if n % chunk_size:
-                raise ValueError(f"config.train.chunk_size={chunk_size} does not divide the {n} rows of "
-                                 f"encoder input {name!r}")
-            n_chunks = n // chunk_size
-            chunked[name] = (fn, to_chunks(ids, n_chunks, mesh), to_chunks(mask, n_chunks, mesh),
-                             _chunk_keys(keys[k], n_chunks))
+            if mask is None:                 # packed side: each chunk was packed apart, [S, C, ...]
+                n_chunks = ids["first"].shape[1]
+                ids = jax.tree.map(lambda x: packed_chunks(x, mesh), ids)
+            else:
+                n = ids.shape[0]
+                if n % chunk_size:
+                    raise ValueError(f"config.train.chunk_size={chunk_size} does not divide the {n} rows of "
+                                     f"encoder input {name!r}")
+                n_chunks = n // chunk_size
+                ids, mask = to_chunks(ids, n_chunks, mesh), to_chunks(mask, n_chunks, mesh)
+            chunked[name] = (fn, ids, mask, _chunk_keys(keys[k], n_chunks), n_chunks)
 
         # 1. All outputs, chunk by chunk, with no activations kept.
         frozen = jax.lax.stop_gradient(params)
         outputs = {}
-        for name, (fn, ids, mask, ks) in chunked.items():
+        for name, (fn, ids, mask, ks, _) in chunked.items():
             def encode(xs, fn=fn):
                 i, m, key = xs
                 return fn(frozen, i, m, key)
@@ -87,8 +105,8 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
             params, outputs)
 
         # 3. Re-encode chunk by chunk, pulling the output gradients back to the parameters.
-        for name, (fn, ids, mask, ks) in chunked.items():
-            cot = to_chunks(cotangents[name], ids.shape[0], mesh)
+        for name, (fn, ids, mask, ks, n_chunks) in chunked.items():
+            cot = to_chunks(cotangents[name], n_chunks, mesh)
 
             def accumulate(acc, xs, fn=fn):
                 i, m, key, c = xs

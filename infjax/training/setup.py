@@ -88,13 +88,10 @@ def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: 
     build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
                                  config.data.passage_max_len, config.data.hard_negatives, sampler,
                                  jax.process_index(), jax.process_count(), config.model.interaction)
-    if config.data.packing and not config.train.chunk_size:
+    if config.data.packing:
         build = dataclasses.replace(build, pack_lengths={"query": config.data.pack_length_query,
                                                          "passage": config.data.pack_length_passage})
         build = dataclasses.replace(build, **packed_layout(config, build, plan, num_devices or jax.device_count()))
-    elif config.data.packing:
-        log.info("data.packing is off for this run: gradient caching (train.chunk_size=%d) pads every text",
-                 config.train.chunk_size)
     return BatchSetup(tokenizer, fmt, plan, build)
 
 
@@ -103,24 +100,30 @@ OVERRIDES = {"q": "pack_rows_query", "i": "pack_rows_query", "qo": "pack_rows_qu
 
 
 def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int) -> dict:
-    """The builder's packing fields: capacities per side (config overrides, else measured over the run)."""
+    """The builder's packing fields: capacities per side (config overrides, else measured over the run) and,
+    under gradient caching, the chunks of each side (its texts / train.chunk_size), each packed apart."""
     data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     sides = build.side_texts(0, local=False)[0]
+    chunk = config.train.chunk_size
+    build = dataclasses.replace(build, chunks={side: len(texts) // chunk for side, texts in sides.items()}
+                                if chunk else None)
     t0 = time.perf_counter()
     need = [side for side in sides if not config.data[OVERRIDES[side]]]
     measured = batches.measure_capacities(build, range(total_steps(config, plan)), shards) if need else {}
     capacities = {side: measured[side] if not config.data[OVERRIDES[side]] else
                   batches.packing.Capacity(config.data[OVERRIDES[side]], build.pack_length(side)) for side in sides}
     for side, cap in capacities.items():
-        texts = len(sides[side]) // shards
+        chunks = (build.chunks or {}).get(side, 1)
+        texts = len(sides[side]) // shards // chunks
         source = f"data.{OVERRIDES[side]}" if config.data[OVERRIDES[side]] else "measured"
-        log.info("packing %-2s: %d rows x %d tokens per batch shard for %d texts of <= %d tokens (rows: %s)", side,
-                 cap.rows, cap.length, texts, build.max_len(side), source)
+        log.info("packing %-2s: %d rows x %d tokens per batch shard%s for %d texts of <= %d tokens (rows: %s)", side,
+                 cap.rows, cap.length, f" and chunk (x{chunks} chunks)" if build.chunks else "", texts,
+                 build.max_len(side), source)
     if need:
         log.info("packing capacities measured over %d steps in %.1fs", total_steps(config, plan),
                  time.perf_counter() - t0)
-    return {"capacities": capacities, "shards": shards // jax.process_count(),
+    return {"capacities": capacities, "shards": shards // jax.process_count(), "chunks": build.chunks,
             "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
 
 
