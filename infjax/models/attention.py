@@ -22,6 +22,13 @@ Implementations (``impl``; "auto" picks by platform):
   generic path transpose the scores). Queries are processed in blocks of
   ``block`` rows under ``jax.checkpoint`` when T is longer, so activation
   memory grows with T x block, not T x T, in training as in inference.
+- ``"splash"``: the Pallas TPU splash-attention kernel (segment ids, causal
+  and local masks; blocks that a mask empties are skipped), run in Pallas
+  interpret mode off TPU, which is how it is tested here. T must be a
+  multiple of 128. Opt-in for now: "auto" does not pick it, because the
+  kernel must be wrapped in ``shard_map`` over the batch axes under a
+  sharded step, and that has not been run on a TPU. Padding tokens (segment
+  0) attend each other instead of nothing; no pooling reads them.
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "explicit")
+IMPLS = ("auto", "xla", "explicit", "splash")
 BLOCK = 512                  # query rows per block of the explicit path
 
 
@@ -81,6 +88,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     explicit path.
     """
     impl = resolve_impl(impl)
+    if impl == "splash" and dropout is None:
+        return _splash(q, k, v, segment_ids, causal, window)
     if impl == "xla" and dropout is None:
         mask = segment_mask(segment_ids, causal=causal, window=window)
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
@@ -190,3 +199,37 @@ def _blockwise(qh, kh, vh, segment_ids, causal, window, block):
 
     out = jax.lax.map(one, (blocks, starts))                                 # [nb, b, n, block, d]
     return out.swapaxes(0, 1).swapaxes(1, 2).reshape(b, n, t, d)
+
+
+SPLASH_BLOCK = 128           # query/key block of the splash kernel (T must be a multiple)
+
+
+@functools.lru_cache(maxsize=None)
+def _splash_kernel(t: int, heads: int, causal: bool, window: int | None, interpret: bool):
+    """A splash-attention kernel for [heads, t, d] inputs (built once per shape and mask)."""
+    # Imported here: the Pallas TPU ops load only when splash is asked for.
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+    if window is not None:
+        base = mask_lib.LocalMask((t, t), (window, 0 if causal else window), offset=0)
+    else:
+        base = mask_lib.CausalMask((t, t)) if causal else mask_lib.FullMask((t, t))
+    b = min(SPLASH_BLOCK, t)
+    sizes = kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
+                                  block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+    return kernel_lib.make_splash_mha_single_device(mask_lib.MultiHeadMask([base] * heads), block_sizes=sizes,
+                                                    interpret=interpret), kernel_lib.SegmentIds
+
+
+def _splash(q, k, v, segment_ids, causal, window):
+    b, t, n, d = q.shape
+    if t % SPLASH_BLOCK:
+        raise ValueError(f"splash attention needs a row length that is a multiple of {SPLASH_BLOCK}, got {t}")
+    groups = n // k.shape[2]
+    if groups > 1:
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    kernel, segments = _splash_kernel(t, n, causal, window, jax.default_backend() != "tpu")
+    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q * d ** -0.5, k, v))        # [B, N, T, D]
+    one_row = lambda qr, kr, vr, sr: kernel(qr, kr, vr, segment_ids=segments(q=sr, kv=sr))  # noqa: E731
+    out = jax.vmap(one_row)(qh, kh, vh, segment_ids)
+    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
