@@ -57,7 +57,6 @@ class EmbeddingModel:
     embed_query: EmbedFn            # texts -> L2-normalized float32 [N, d]
     embed_passage: EmbedFn
     synthetic: dict | None = None   # a run's data.synthetic (defaults of the synthetic dataset)
-    progress: bool = True
     cache_key: str = ""             # weights + encoding settings: the embedding cache's model key
     # (instructions, queries) -> iq embeddings, for models that do not read one text (Interaction II).
     embed_pairs: PairEmbedFn | None = None
@@ -209,7 +208,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
     key = f"run:{workdir}|pooling={run.encoder.pooling}" \
           f"|interaction={interaction}|dtype={run.config.model.dtype}|len={qlen}/{plen}"
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
-                          progress=progress, cache_key=key, embed_pairs=embed_pairs)
+                          cache_key=key, embed_pairs=embed_pairs)
 
 
 def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress) -> EmbeddingModel:
@@ -231,7 +230,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     tokenizer = Tokenizer(path, padding_side=encoder.padding_side)
     eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
     key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
-    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, progress=progress, cache_key=key)
+    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key)
 
 
 def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
@@ -269,4 +268,4 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
 
     key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}|len={qlen}/{plen}"
     return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
-                          lambda t: embed(t, qlen), lambda t: embed(t, plen), progress=progress, cache_key=key)
+                          lambda t: embed(t, qlen), lambda t: embed(t, plen), cache_key=key)

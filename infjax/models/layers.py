@@ -128,15 +128,6 @@ class RopeConfig:
                    high_freq_factor=float(params["high_freq_factor"]),
                    original_max_position_embeddings=int(params["original_max_position_embeddings"]))
 
-    def to_hf(self) -> dict[str, Any]:
-        """The HF ``rope_parameters`` dict."""
-        d: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.theta}
-        if self.rope_type == "llama3":
-            d.update(factor=self.factor, low_freq_factor=self.low_freq_factor,
-                     high_freq_factor=self.high_freq_factor,
-                     original_max_position_embeddings=self.original_max_position_embeddings)
-        return d
-
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> np.ndarray:
     """Inverse frequencies [head_dim // 2] (float32, computed as transformers does)."""
