@@ -113,9 +113,10 @@ class Checkpoints:
     def save(self, step: int, state, data_position: dict, config: dict) -> None:
         """Start saving `step` (in the background with async_save). Orbax first waits for the previous
         save, so an error raised here may be that one's: `pending` names the step whose save is open."""
-        if self._unreported is not None:
-            self.manager.wait_until_finished()     # what Orbax's save would wait for first; now it is timed
-            self._report()
+        if self._unreported is not None:       # the previous save is still open: Orbax would wait for it first
+            waited = time.perf_counter()
+            self.manager.wait_until_finished()
+            self._report(held_up=time.perf_counter() - waited)
         start = time.perf_counter()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -135,11 +136,12 @@ class Checkpoints:
             self.manager.check_for_errors()        # it may have failed between the two calls
             self._report()
 
-    def _report(self) -> None:
+    def _report(self, held_up: float = 0.0) -> None:
+        """Log the open save as complete; `held_up`: seconds the loop has just waited for its end."""
         step, start, blocked = self._unreported
         self._unreported = None
         log.info("checkpoint %d saved in %.1f s (%.1f s of it holding training up)", step,
-                 time.perf_counter() - start, blocked)
+                 time.perf_counter() - start, blocked + held_up)
 
     def saved_config(self, step: int) -> dict:
         try:
@@ -245,9 +247,10 @@ class Checkpoints:
             return
         self._closed = True
         try:
+            waited = time.perf_counter()
             self.manager.wait_until_finished()
             self.manager.check_for_errors()
             if self._unreported is not None:
-                self._report()
+                self._report(held_up=time.perf_counter() - waited)
         finally:
             self.manager.close()
