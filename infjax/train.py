@@ -24,6 +24,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from infjax import config as config_lib, errors
+from infjax.data.batches import real_tokens
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
@@ -317,7 +318,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
     losses_seen, preempted, last_canary = [], None, {}
     watch = watch or CanaryWatch(config.eval.canary_margin)
     evaluated = list(dict.fromkeys([*specs, *canaries]))
-    t_last, rows_since, skipped_logged = time.perf_counter(), 0, 0
+    t_last, rows_since, tokens_since, skipped_logged = time.perf_counter(), 0, 0, 0
     # train.nonfinite=stop: a step's `finite` flag is read once the next step is queued (or before a log
     # line, an evaluation or a checkpoint), so the host never waits on the step it just dispatched.
     unchecked: list[tuple[int, jax.Array]] = []
@@ -336,8 +337,9 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
     with Preemption() as preemption, console.progress(range(start, steps), start, steps,
                                                       enabled=jax.process_index() == 0) as progress:
         for step in progress:
-            batch = mesh_lib.global_batch(build(step), mesh)
-            state, metrics = train_step(state, batch)
+            host_batch = build(step)
+            tokens_since += real_tokens(host_batch)    # this process's rows, counted on the host: no device sync
+            state, metrics = train_step(state, mesh_lib.global_batch(host_batch, mesh))
             rows_since += build.global_rows
             if ckpts.pending is not None:      # a background save that failed stops the run now, not at the next
                 poll_saves(ckpts)
@@ -351,11 +353,12 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 metrics["skipped_steps"] = int(state.skipped)
                 now = time.perf_counter()
                 metrics["examples_per_s"] = rows_since / (now - t_last)
-                t_last, rows_since = now, 0
+                metrics["real_tokens_per_s"] = distributed.sum_over_processes(tokens_since) / (now - t_last)
+                t_last, rows_since, tokens_since = now, 0, 0
                 losses_seen.append((done, metrics["loss"]))
-                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s", done, steps,
-                         metrics["loss"], metrics["learning_rate"], metrics["grad_norm"],
-                         metrics["examples_per_s"])
+                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s  %.0f real tokens/s",
+                         done, steps, metrics["loss"], metrics["learning_rate"], metrics["grad_norm"],
+                         metrics["examples_per_s"], metrics["real_tokens_per_s"])
                 if metrics["skipped_steps"] > skipped_logged:
                     log.warning("%d step(s) skipped so far for a non-finite loss or gradient",
                                 metrics["skipped_steps"])
@@ -403,7 +406,7 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
 
 def poll_saves(ckpts: checkpoint.Checkpoints) -> None:
     try:
-        ckpts.check_for_errors()
+        ckpts.poll()
     except Exception as e:  # noqa: BLE001
         raise _save_failed(ckpts, ckpts.pending, e) from e
 

@@ -53,6 +53,11 @@ def _losses(workdir):
         return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
+def _tokens_per_example(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r["real_tokens_per_s"] / r["examples_per_s"] for r in map(json.loads, f) if "loss" in r]
+
+
 def _max_param_diff(a: str, b: str) -> float:
     pa, pb = load_run(a).params, load_run(b).params
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in
@@ -80,6 +85,11 @@ def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
     print("1 process:", a, "\n2 processes:", b)
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=1e-5)
+    # real tokens/s is summed over the processes: per logged step, tokens per example is the global batch's
+    # (time cancels), whether one process counted them or two did, each its half.
+    ratio_a, ratio_b = (_tokens_per_example(w) for w in (single, multi))
+    print("real tokens per example, 1 process:", ratio_a, "\n2 processes:", ratio_b)
+    np.testing.assert_allclose(ratio_b, ratio_a, rtol=1e-6)
     ev_a, ev_b = (json.load(open(os.path.join(w, "eval.json"))) for w in (single, multi))
     print("eval.json, 1 process:", ev_a, "\neval.json, 2 processes:", ev_b)
     for when in ("before", "after"):

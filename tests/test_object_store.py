@@ -191,6 +191,19 @@ def test_train_kill_resume_and_export_on_gcs(gcs, tmp_path):
 
     local_copy = str(tmp_path / "copy")
     storage.copy_tree(run, local_copy)
+    # TensorBoard event files written to gs:// (tensorboardX's google-cloud-storage writer, flushed with each
+    # checkpoint) by the killed run and by its resumption (which hides the killed run's events after step 4):
+    # read back by TensorBoard's own reader, every step once, each loss metrics.jsonl's.
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = [n for n in storage.listdir(f"{run}/tensorboard") if n.startswith("events.out.tfevents.")]
+    assert len(events) == 2, events                                  # one file per process start
+    acc = event_accumulator.EventAccumulator(os.path.join(local_copy, "tensorboard"),
+                                             size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    tb = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    print("gs:// TensorBoard train/loss:", tb)
+    assert [s for s, _ in tb] == list(range(1, 7))
+    assert all(v == np.float32(loss) for (_, v), (_, loss) in zip(tb, got))
     a, b, c = str(tmp_path / "from_gcs"), str(tmp_path / "from_local"), f"gs://{BUCKET}/exports/cut"
     assert export.main(["--workdir", run, "--out", a]) == 0
     assert export.main(["--workdir", local_copy, "--out", b]) == 0

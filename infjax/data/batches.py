@@ -174,6 +174,17 @@ class BatchBuilder:
         return batch
 
 
+def real_tokens(batch: dict) -> int:
+    """The real (not padding) tokens of a batch as `BatchBuilder` returns it, padded or packed: the non-zero
+    entries of its masks (0/1 when padded, segment ids when packed). Host numpy, no device involved."""
+    total = 0
+    for key, value in batch.items():
+        if isinstance(value, dict):
+            total += real_tokens(value)
+        elif key == "mask" or key.endswith("_mask"):
+            total += int(np.count_nonzero(value))
+    return total
+
 
 def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
     """Per side, the packed capacity (rows x row length per batch shard, or per chunk of one under gradient

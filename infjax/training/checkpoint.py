@@ -4,13 +4,15 @@ WORKDIR/checkpoints/<step>/{state, data, config}; WORKDIR may be an object-store
 (training/storage.py). Orbax writes a step into a temporary folder and renames it
 when complete (on gs://, where there is no rename, it writes COMMIT_FILE last), so a
 save that was cut off is never listed as a step. Saves are asynchronous by default:
-training goes on while the arrays are written; `close()` waits for the last one.
+training goes on while the arrays are written; `close()` waits for the last one. Each save logs one line
+when it is complete, with its duration and the part of it that held training up.
 """
 from __future__ import annotations
 
 import logging
 import os
 import shutil
+import time
 import uuid
 
 import jax
@@ -91,6 +93,8 @@ class Checkpoints:
         self.directory = storage.join(storage.absolute(workdir), "checkpoints")
         self._closed = False
         self.pending: int | None = None      # the latest step whose save was started
+        self._unreported: tuple[int, float, float] | None = None   # (step, start, seconds save() blocked)
+        self.async_save = async_save
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -109,16 +113,35 @@ class Checkpoints:
     def save(self, step: int, state, data_position: dict, config: dict) -> None:
         """Start saving `step` (in the background with async_save). Orbax first waits for the previous
         save, so an error raised here may be that one's: `pending` names the step whose save is open."""
+        if self._unreported is not None:       # the previous save is still open: Orbax would wait for it first
+            waited = time.perf_counter()
+            self.manager.wait_until_finished()
+            self._report(held_up=time.perf_counter() - waited)
+        start = time.perf_counter()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=ocp.args.JsonSave(data_position),
             config=ocp.args.JsonSave(config),
         ), force=True)
         self.pending = step
+        self._unreported = (step, start, time.perf_counter() - start)
+        if not self.async_save:                   # the save is complete when save() returns
+            self._report()
 
-    def check_for_errors(self) -> None:
-        """Raise the error of an asynchronous save that failed in the background (cheap; no wait)."""
+    def poll(self) -> None:
+        """Between steps: raise the error of a background save that failed, else log the one that finished
+        (its duration is then known to within a step). Cheap: no wait, no communication."""
         self.manager.check_for_errors()
+        if self._unreported is not None and not self.manager.is_saving_in_progress():
+            self.manager.check_for_errors()        # it may have failed between the two calls
+            self._report()
+
+    def _report(self, held_up: float = 0.0) -> None:
+        """Log the open save as complete; `held_up`: seconds the loop has just waited for its end."""
+        step, start, blocked = self._unreported
+        self._unreported = None
+        log.info("checkpoint %d saved in %.1f s (%.1f s of it holding training up)", step,
+                 time.perf_counter() - start, blocked + held_up)
 
     def saved_config(self, step: int) -> dict:
         try:
@@ -224,6 +247,10 @@ class Checkpoints:
             return
         self._closed = True
         try:
+            waited = time.perf_counter()
             self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+            if self._unreported is not None:
+                self._report(held_up=time.perf_counter() - waited)
         finally:
             self.manager.close()

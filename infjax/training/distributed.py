@@ -60,6 +60,16 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int32))))
 
 
+def sum_over_processes(value: float) -> float:
+    """The sum of `value` over all processes (float32 on the wire: for rates and counts where 7 significant
+    digits are enough); the same calling rule as `max_over_processes`. One process: `value` itself."""
+    if jax.process_count() == 1:
+        return float(value)
+    from jax.experimental import multihost_utils
+
+    return float(np.sum(multihost_utils.process_allgather(np.asarray([value], np.float32)), dtype=np.float64))
+
+
 def barrier(name: str) -> None:
     """Wait until every process reaches the barrier `name` (nothing to do for one process)."""
     if jax.process_count() > 1:

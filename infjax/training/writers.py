@@ -1,4 +1,5 @@
-"""Where a run's records go: metrics.jsonl always, TensorBoard event files when `log.writers` lists them.
+"""Where a run's records go: metrics.jsonl always, TensorBoard event files and a Weights & Biases run when
+`log.writers` lists them.
 
 The training loop hands every record to `Writers.write` in one call: a logged step
 (`{"step", "loss", "learning_rate", ...}`), an evaluation (`{"step", "eval": {set: metrics}}`) or a
@@ -19,8 +20,9 @@ from infjax.training.workdir import MetricsLog
 
 log = logging.getLogger("infjax.writers")
 
-WRITERS = ("jsonl", "tensorboard")            # the names log.writers may list
+WRITERS = ("jsonl", "tensorboard", "wandb")   # the names log.writers may list
 TENSORBOARD_DIR = "tensorboard"
+WANDB_MODES = ("", "online", "offline", "disabled")   # log.wandb_mode ("": WANDB_MODE, else wandb's default)
 
 
 def writer_names(spec: str) -> list[str]:
@@ -71,7 +73,48 @@ class TensorBoard:
         self._writer.close()
 
 
-VIEWS = {"tensorboard": TensorBoard}
+class WandB:
+    """A Weights & Biases run (`log.wandb_*` keys): the same tags as TensorBoard in its history, at the
+    record's step, and the resolved config as the run's config. Offline mode (`log.wandb_mode=offline` or
+    WANDB_MODE=offline) writes the run under WORKDIR/wandb/ for `wandb sync`; a gs:// workdir cannot hold
+    it, so wandb's own directory (WANDB_DIR, else the current one) does. Each start of the process is one
+    W&B run: a resumed training is a new run whose history begins after its checkpoint."""
+
+    name = "wandb"
+
+    def __init__(self, workdir: str, config_json: dict, start: int):
+        import wandb
+
+        opts = config_json.get("log", {})
+        if storage.is_remote(workdir):
+            directory = None
+            log.info("log.writers: wandb keeps its run folder in WANDB_DIR or the current directory, not in %s",
+                     workdir)
+        else:
+            directory = workdir
+        name = opts.get("wandb_name") or workdir.rstrip("/").rsplit("/", 1)[-1]
+        self._run = wandb.init(project=opts.get("wandb_project") or None, entity=opts.get("wandb_entity") or None,
+                               name=name + (f"-from-{start}" if start else ""), dir=directory,
+                               mode=opts.get("wandb_mode") or None, config=config_json,
+                               settings=wandb.Settings(console="off", silent=True), reinit="create_new")
+        self._last = -1
+
+    def write(self, record: dict) -> None:
+        values = scalars(record)
+        if values:
+            if record["step"] < self._last:      # W&B keeps one increasing step; it would drop these silently
+                raise ValueError(f"step {record['step']} comes after step {self._last}; W&B steps only increase")
+            self._run.log(values, step=record["step"])
+            self._last = record["step"]
+
+    def flush(self) -> None:
+        pass                                     # wandb writes its own files in the background
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+VIEWS = {"tensorboard": TensorBoard, "wandb": WandB}
 assert set(VIEWS) | {"jsonl"} == set(WRITERS)
 
 
