@@ -79,10 +79,11 @@ def _flags(argv):
 class Setup:
     """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
 
-    def __init__(self, config, records: list[dict] | None = None):
+    def __init__(self, config, records: list[dict] | None = None, weights: bool = True):
+        """`weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile."""
         config_lib.validate(config, jax.device_count(), jax.process_count())
         self.config = config
-        self.encoder, params, path = load_encoder(config.model)
+        self.encoder, params, path = load_encoder(config.model, weights=weights)
         self.records = records if records is not None else setup_lib.load_training_records(config.data)
         self.objective = setup_lib.make_objective(config)
         batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective)
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> None:
     records = inf_ir_shaped_records(max(4 * config.train.batch_size * (fv.warmup + fv.steps), 256)) \
         if fv.data == "inf_ir_shaped" else None
     if fv.compile_only:
-        setup = Setup(config, records)
+        setup = Setup(config, records, weights=False)        # shapes only: no weight file is read
         t0 = time.perf_counter()
         compiled = setup.compile(setup.batch(0))
         m = compiled.memory_analysis()
