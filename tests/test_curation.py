@@ -103,14 +103,16 @@ def curated(beir, tmp_path_factory):
     with FakeChat(curator) as server:
         report = pipeline.run(context(server, collection, os.path.join(out, "cache")), out, chunk_size=8)
         counts = {s: server.count(s) for s in ("instruct", "poison", "negative", "verify")}
+        stops = {stage_of(r["body"]): r["body"].get("stop") for r in server.requests}
         first = {n: open(os.path.join(out, n), "rb").read() for n in ("curated.jsonl", "failures.jsonl")}
         rerun = pipeline.run(context(server, collection, os.path.join(out, "cache")), out, chunk_size=8)
         sent_by_rerun = server.count() - sum(counts.values())
-    return out, report, counts, first, rerun, sent_by_rerun
+    return out, report, counts, first, rerun, sent_by_rerun, stops
 
 
 def test_four_stages_on_30_pairs(curated):
-    out, report, counts, _, _, _ = curated
+    out, report, counts, *_, stops = curated
+    assert stops == {"instruct": ["\n"], "poison": ["\n\n"], "negative": None, "verify": ["\n"]}
     rows = [json.loads(l) for l in open(os.path.join(out, "curated.jsonl"))]
     assert report["records_in"] == N and report["kept"] == len(rows) == N - 2
     assert report["dropped_per_reason"] == {"instruct: malformed answer": 1, "verify: judge disagreed": 1}
@@ -150,7 +152,7 @@ def test_output_loads_as_inf_ir_in_both_formats(curated):
 
 
 def test_rerun_is_answered_from_the_cache_and_writes_the_same_files(curated):
-    out, report, _, first, rerun, sent = curated
+    out, report, _, first, rerun, sent, _ = curated
     assert sent == 0 and rerun["this_run"]["generator"]["requests_sent"] == 0
     assert rerun["kept"] == report["kept"] and rerun["tokens"] == report["tokens"]
     for name, data in first.items():

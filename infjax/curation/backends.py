@@ -11,7 +11,7 @@ completion) comes back with ``error`` set: a stage records it as a failed record
 - `LocalBackend` (curation/local.py): infjax's own Flax decoders.
 
 Every backend goes through `ResponseCache`: one JSON file per answer under ``cache_dir``, keyed by
-sha256 of (model, messages, max_tokens, temperature, seed), so a rerun sends nothing it has already been
+sha256 of (model, messages, max_tokens, temperature, seed, stop, prefix), so a rerun sends nothing it has already been
 answered. `Usage` counts requests, cache hits, failures and tokens (what the server reports; what the
 tokenizer counts for the local backend).
 """
@@ -40,6 +40,11 @@ class Request:
     max_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    stop: tuple[str, ...] = ()                   # the answer ends before the first of these (OpenAI `stop`)
+    # How the answer starts (its format label). The local backend writes it at the start of the assistant
+    # turn, so that a small model continues in the format, and returns it with the answer; an
+    # OpenAI-compatible endpoint is asked for the whole answer (the prompt shows the format).
+    prefix: str = ""
 
     @classmethod
     def chat(cls, messages: list[dict[str, str]], **params) -> "Request":
@@ -50,7 +55,8 @@ class Request:
 
     def key(self, model: str) -> str:
         blob = json.dumps({"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
-                           "temperature": self.temperature, "seed": self.seed}, sort_keys=True)
+                           "temperature": self.temperature, "seed": self.seed, "stop": self.stop,
+                           "prefix": self.prefix}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -206,6 +212,8 @@ class OpenAIBackend(Backend):
     def _one(self, request: Request) -> Completion:
         body = {"model": self.model, "messages": request.message_dicts(), "max_tokens": request.max_tokens,
                 "temperature": request.temperature, "seed": request.seed}
+        if request.stop:
+            body["stop"] = list(request.stop)
         problem = ""
         for attempt in range(self.max_retries + 1):
             retry_after = None

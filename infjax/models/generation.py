@@ -114,11 +114,11 @@ def _pick(logits, keys, step, temperature):
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "temperature"))
 def generate(config: DecoderConfig, params: dict, head: jax.Array, ids: jax.Array, mask: jax.Array, *,
              max_new_tokens: int, temperature: float = 0.0, keys: jax.Array | None = None,
-             eos_id: int = -1, pad_id: int = 0) -> jax.Array:
+             eos_id: int = -1, pad_id: int = 0, stop_mask: jax.Array | None = None) -> jax.Array:
     """New tokens [B, max_new_tokens] for left-padded prompts ids/mask [B, T] (`stacked` params).
 
-    After a row's end token (`eos_id`; -1 for none) its remaining tokens are `pad_id`. `keys` [B, 2]
-    (one PRNG key per row) is needed when `temperature` > 0.
+    After a row's end token (`eos_id`; -1 for none) or a token that `stop_mask` [V] (bool) marks (kept in
+    the output) its remaining tokens are `pad_id`. `keys` [B, 2] (one PRNG key per row) is needed when `temperature` > 0.
     """
     b, t = ids.shape
     s = t + max_new_tokens
@@ -131,6 +131,8 @@ def generate(config: DecoderConfig, params: dict, head: jax.Array, ids: jax.Arra
     logits, cache = _forward(config, params, head, ids, positions, key_valid, cache, 0)
     if keys is None:
         keys = jnp.zeros((b, 2), jnp.uint32)
+    if stop_mask is None:
+        stop_mask = jnp.zeros((head.shape[1],), bool)
     out = jnp.full((b, max_new_tokens), pad_id, jnp.int32)
     state = (0, logits, cache, mask.sum(axis=1).astype(jnp.int32), out, jnp.zeros((b,), bool))
 
@@ -142,7 +144,7 @@ def generate(config: DecoderConfig, params: dict, head: jax.Array, ids: jax.Arra
         i, logits, cache, pos, out, done = state
         token = jnp.where(done, pad_id, _pick(logits, keys, i, temperature))
         out = out.at[:, i].set(token)
-        done = done | (token == eos_id)
+        done = done | (token == eos_id) | stop_mask[token]
         logits, cache = _forward(config, params, head, token[:, None], pos[:, None], key_valid, cache, t + i)
         return i + 1, logits, cache, pos + 1, out, done
 
