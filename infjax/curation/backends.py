@@ -11,7 +11,8 @@ completion) comes back with ``error`` set: a stage records it as a failed record
 - `LocalBackend` (curation/local.py): infjax's own Flax decoders.
 
 Every backend goes through `ResponseCache`: one JSON file per answer under ``cache_dir``, keyed by
-sha256 of (model, messages, max_tokens, temperature, seed, stop, prefix), so a rerun sends nothing it has already been
+sha256 of (model, messages, max_tokens, temperature, seed, stop, fields), so a
+rerun sends nothing it has already been
 answered. `Usage` counts requests, cache hits, failures and tokens (what the server reports; what the
 tokenizer counts for the local backend).
 """
@@ -41,10 +42,11 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     stop: tuple[str, ...] = ()                   # the answer ends before the first of these (OpenAI `stop`)
-    # How the answer starts (its format label). The local backend writes it at the start of the assistant
-    # turn, so that a small model continues in the format, and returns it with the answer; an
-    # OpenAI-compatible endpoint is asked for the whole answer (the prompt shows the format).
-    prefix: str = ""
+    # The labels of the answer's lines, in order ("NEGATIVE INSTRUCTION:", "NEGATIVE QUERY:"). The local
+    # backend writes each label itself and lets the model fill in its line (the last one may run over lines
+    # when there is no stop string), so that a small model answers in the format; an OpenAI-compatible
+    # endpoint is asked for the whole answer (the prompt shows the format).
+    fields: tuple[str, ...] = ()
 
     @classmethod
     def chat(cls, messages: list[dict[str, str]], **params) -> "Request":
@@ -56,7 +58,7 @@ class Request:
     def key(self, model: str) -> str:
         blob = json.dumps({"model": model, "messages": self.messages, "max_tokens": self.max_tokens,
                            "temperature": self.temperature, "seed": self.seed, "stop": self.stop,
-                           "prefix": self.prefix}, sort_keys=True)
+                           "fields": self.fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
 

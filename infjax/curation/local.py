@@ -1,12 +1,14 @@
 """The `local` backend: chat answers from infjax's own Flax decoders (Llama, Qwen2), no serving stack.
 
-Requests are grouped by (max_tokens, temperature, stop), rendered with the tokenizer's chat template
-followed by the request's answer prefix (the model continues the format label; the answer returned starts
-with it), left-padded to a multiple of 64 tokens and generated `batch_size` at a time by
+Requests are grouped by (max_tokens, temperature, stop, fields), rendered with the tokenizer's chat template,
+left-padded to a multiple of 64 tokens and generated `batch_size` at a time by
 `infjax.models.generation.generate` (jitted prefill + KV-cache decoding). The batch is laid over the
 device mesh's batch axes when it divides evenly (else replicated), so a TPU slice curates on all its chips.
-A row stops at the end token or at a token whose text holds one of the request's stop strings, and the
-answer is cut before the first stop string (OpenAI's `stop`). Temperature sampling draws each request's tokens from a key derived from the request itself: an answer
+An answer with format labels (``Request.fields``) is written line by line: the backend writes a label at the
+end of the assistant turn so far, the model fills in that line (it stops at the end token or at a token
+holding a newline, and the line is cut there), then the next label follows. The last line may run over
+lines when the request has no stop string (a passage); else it ends at a newline too. Without labels the
+answer ends at the end token or before the first stop string (OpenAI's `stop`). Temperature sampling draws each request's tokens from a key derived from the request itself: an answer
 does not depend on the batch it was generated in, and the response cache stays valid.
 
 ``--local_model=smollm2`` is SmolLM2-135M-Instruct, shipped as a GGUF file (Q4_1) by the PyPI package
@@ -133,10 +135,10 @@ class LocalBackend(Backend):
     def load(cls, name: str, cache: ResponseCache, *, cache_root: str = DEFAULT_CACHE, batch_size: int = 8):
         return cls(name, resolve_local_model(name, cache_root), cache, batch_size=batch_size)
 
-    def encode(self, request: Request) -> list[int]:
+    def encode(self, request: Request, answer_so_far: str = "") -> list[int]:
         text = self.tokenizer.apply_chat_template(request.message_dicts(), add_generation_prompt=True,
                                                   tokenize=False)
-        return self.tokenizer(text + request.prefix, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text + answer_so_far, add_special_tokens=False)["input_ids"]
 
     def stop_mask(self, stop: tuple[str, ...]) -> jax.Array | None:
         """[V] bool: the tokens whose text holds one of `stop` (None when there is no stop string)."""
@@ -181,15 +183,25 @@ class LocalBackend(Backend):
         results: list[Completion | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault((r.max_tokens, r.temperature, r.stop), []).append(i)
-        for (max_tokens, temperature, stop), members in groups.items():
-            prompts = [self.encode(requests[i]) for i in members]
+            groups.setdefault((r.max_tokens, r.temperature, r.stop, r.fields), []).append(i)
+        for (max_tokens, temperature, stop, fields), members in groups.items():
             # a request's own seed: its cache key folded to 31 bits (independent of the batch it lands in)
             seeds = [int(requests[i].key(self.model)[:8], 16) & 0x7FFFFFFF for i in members]
-            new = self.generate_tokens(prompts, max_tokens, temperature, seeds, self.stop_mask(stop))
-            for i, p, toks in zip(members, prompts, new):
-                text = self.tokenizer.decode(toks, skip_special_tokens=True)
-                cuts = [text.index(s) for s in stop if s in text]
-                text = requests[i].prefix + (text[:min(cuts)] if cuts else text)
-                results[i] = Completion(text, len(p), len(toks))
+            answers = [""] * len(members)
+            prompt_tokens = [0] * len(members)
+            new_tokens = [0] * len(members)
+            steps = [(label, ("\n",) if k < len(fields) - 1 or stop else ()) for k, label in enumerate(fields)]
+            for k, (label, line_stop) in enumerate(steps or [("", stop)]):
+                sofar = [a + ("\n" if a else "") + label for a in answers]
+                prompts = [self.encode(requests[i], so) for i, so in zip(members, sofar)]
+                new = self.generate_tokens(prompts, max_tokens, temperature, [s + k for s in seeds],
+                                           self.stop_mask(line_stop))
+                for j, (p, toks) in enumerate(zip(prompts, new)):
+                    text = self.tokenizer.decode(toks, skip_special_tokens=True)
+                    cuts = [text.index(s) for s in line_stop if s in text]
+                    answers[j] = sofar[j] + (text[:min(cuts)] if cuts else text)
+                    prompt_tokens[j] += len(p)
+                    new_tokens[j] += len(toks)
+            for j, i in enumerate(members):
+                results[i] = Completion(answers[j], prompt_tokens[j], new_tokens[j])
         return results

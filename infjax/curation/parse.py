@@ -2,7 +2,7 @@
 
 A parser returns the value or raises `Malformed` with the reason; the stage retries the request, then
 records the record as failed with that reason. Nothing is repaired or guessed: a label that is missing,
-repeated or followed by nothing, extra prose, an out-of-range number, a negative identical to its positive,
+repeated or followed by nothing or by the format's placeholder ("<the instruction>"), extra prose, an out-of-range number, a negative identical to its positive,
 or (code data) a poisoned instruction in another programming language is malformed.
 """
 from __future__ import annotations
@@ -20,6 +20,10 @@ LANGUAGES = ("python", "java", "javascript", "typescript", "c++", "c#", "c", "go
 _LANGUAGE_RE = re.compile(r"(?<![\w+#])(" + "|".join(re.escape(x) for x in sorted(LANGUAGES, key=len, reverse=True))
                           + r")(?![\w+#])", re.IGNORECASE)
 _SINGLE_LETTER = {"c", "r"}          # counted only when written as a capital (a "c" inside prose is no language)
+
+
+# A value that only echoes the format's placeholder: "<the instruction>", "[the altered query]".
+_PLACEHOLDER = re.compile(r"<[^<>]*>|\[[^\[\]]*[^\[\]\d\s][^\[\]]*\]")
 
 
 def _normal(text: str) -> str:
@@ -43,6 +47,8 @@ def _labelled(lines: list[str], labels: tuple[str, ...]) -> list[str]:
         value = value.strip()
         if not value:
             raise Malformed(f"'{label}:' is followed by nothing")
+        if _PLACEHOLDER.fullmatch(value):
+            raise Malformed(f"'{label}:' is followed by a placeholder, {value[:40]!r}, not an answer")
         values.append(value)
     return values
 

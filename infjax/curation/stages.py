@@ -65,18 +65,20 @@ class Context:
     retriever: Retriever | None = None
 
 
-# Per template: how its answer starts and where it ends (one line; two lines and a blank; the whole answer).
-ANSWER_FORMAT = {"instruct": ("INSTRUCTION:", ("\n",)), "poison": ("NEGATIVE INSTRUCTION:", ("\n\n",)),
-                 "negative": ("PASSAGE:", ()), "verify": ("ANSWER:", ("\n",))}
+# Per template: the labels of its answer's lines, and where the answer ends (after one line; after the two
+# lines, at a blank line; nowhere: a passage may have paragraphs).
+ANSWER_FORMAT = {"instruct": (("INSTRUCTION:",), ("\n",)),
+                 "poison": (("NEGATIVE INSTRUCTION:", "NEGATIVE QUERY:"), ("\n\n",)),
+                 "negative": (("PASSAGE:",), ()), "verify": (("ANSWER:",), ("\n",))}
 
 
 def _request(ctx: Context, stage: str, attempt: int, max_tokens: int, **values) -> Request:
     s = ctx.settings
     temperature = s.temperature if attempt == 0 else max(s.temperature, s.retry_temperature)
     messages = prompts.render(stage, domain=s.domain, version=s.prompt_version, **values)
-    prefix, stop = ANSWER_FORMAT[stage]
+    fields, stop = ANSWER_FORMAT[stage]
     return Request.chat(messages, max_tokens=max_tokens, temperature=temperature, seed=s.seed + attempt,
-                        stop=stop, prefix=prefix)
+                        stop=stop, fields=fields)
 
 
 def _failure(record_id: str, stage: str, kind: str, category: str, reason: str, answers=(), tokens=(0, 0)) -> dict:

@@ -8,7 +8,7 @@ The forward pass is the one of `decoder.DecoderModel` (same parameter tree, same
   generates what it would alone;
 - the cache holds keys and values [layers, B, T + max_new, kv_heads, head_dim]; the prefill fills the first
   T slots in one pass, then every step writes one slot and attends to the real slots written so far;
-- the layers run under `lax.scan` (one compiled layer); the decoding loop is a `lax.while_loop` that stops
+- the layers run in a `lax.fori_loop` (one compiled layer) that updates the cache in place; the decoding loop is a `lax.while_loop` that stops
   when every row has produced the end token;
 - greedy (argmax) or temperature sampling, with one PRNG key per row, so a row's tokens do not depend on
   which other prompts share its batch.
@@ -61,17 +61,21 @@ def _dense(p, x):
     return y + p["bias"] if "bias" in p else y
 
 
-def _layer(cfg: DecoderConfig, x, p, k_cache, v_cache, cos, sin, mask, start):
-    """One block on the new positions x [B, t, H]; writes their keys/values at `start` of the caches."""
+def _layer(cfg: DecoderConfig, x, p, cache, layer, cos, sin, mask, start):
+    """Block `layer` on the new positions x [B, t, H]; writes their keys/values into the stacked caches
+    [layers, B, S, K, D] at (layer, start) in place, and attends to that layer's slots."""
     b, t, _ = x.shape
     n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    k_all, v_all = cache
     h = _rms(x, p["input_layernorm"]["scale"], cfg.rms_norm_eps)
     a = p["self_attn"]
     q = L.apply_rope(_dense(a["q_proj"], h).reshape(b, t, n, d), cos, sin)
     key = L.apply_rope(_dense(a["k_proj"], h).reshape(b, t, k, d), cos, sin)
     value = _dense(a["v_proj"], h).reshape(b, t, k, d)
-    k_cache = jax.lax.dynamic_update_slice(k_cache, key.astype(k_cache.dtype), (0, start, 0, 0))
-    v_cache = jax.lax.dynamic_update_slice(v_cache, value.astype(v_cache.dtype), (0, start, 0, 0))
+    k_all = jax.lax.dynamic_update_slice(k_all, key[None].astype(k_all.dtype), (layer, 0, start, 0, 0))
+    v_all = jax.lax.dynamic_update_slice(v_all, value[None].astype(v_all.dtype), (layer, 0, start, 0, 0))
+    k_cache = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
+    v_cache = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
     q = q.reshape(b, t, k, n // k, d)          # query head i uses kv head i // (n // k) (HF repeat_kv)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(d)
     scores = jnp.where(mask[:, None, None], scores, _NEG)
@@ -82,24 +86,28 @@ def _layer(cfg: DecoderConfig, x, p, k_cache, v_cache, cos, sin, mask, start):
     m = p["mlp"]
     x = x + _dense(m["down_proj"], L.gated(L.ACTIVATIONS[cfg.hidden_act], _dense(m["gate_proj"], h),
                                            _dense(m["up_proj"], h)))
-    return x, k_cache, v_cache
+    return x, (k_all, v_all)
 
 
 def _forward(cfg: DecoderConfig, params, head, ids, positions, key_valid, cache, start):
-    """Logits of the last new position [B, V] and the updated cache, for new tokens ids [B, t]."""
+    """Logits of the last new position [B, V] and the updated cache, for new tokens ids [B, t].
+
+    The layers run in a `fori_loop` that carries the whole cache, so each layer's keys and values are
+    written in place (a scan over the cache as input and output would copy it at every token)."""
     t = ids.shape[1]
     x = params["embed_tokens"]["embedding"][ids]
     cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, cfg.rope))
     q_idx = start + jnp.arange(t)
     k_idx = jnp.arange(key_valid.shape[1])
     mask = key_valid[:, None, :] & (k_idx[None, None, :] <= q_idx[None, :, None])      # [B, t, S]
+    stacked_layers = params[L.SCANNED]
 
-    def body(x, layer):
-        p, kc, vc = layer
-        x, kc, vc = _layer(cfg, x, p, kc, vc, cos, sin, mask, start)
-        return x, (kc, vc)
+    def body(layer, carry):
+        x, cache = carry
+        p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), stacked_layers)
+        return _layer(cfg, x, p, cache, layer, cos, sin, mask, start)
 
-    x, cache = jax.lax.scan(body, x, (params[L.SCANNED], *cache))
+    x, cache = jax.lax.fori_loop(0, cfg.num_hidden_layers, body, (x, cache))
     x = _rms(x[:, -1], params["norm"]["scale"], cfg.rms_norm_eps)
     return jnp.dot(x, head, preferred_element_type=jnp.float32), cache
 
