@@ -403,6 +403,7 @@ def test_the_output_trains_3_steps(curated, tmp_path):
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["loss"] > 0 for s in steps)
 
 
+@pytest.mark.slow
 def test_retriever_ranks_the_collection_as_sentence_transformers_does(beir):
     """`negatives=retrieve` searches with an infjax embedder: its ranking equals sentence-transformers' on the
     same checkpoint (an independent encoder), for the instruction-aware query "{query} {instruction}"."""
@@ -425,3 +426,57 @@ def test_retriever_ranks_the_collection_as_sentence_transformers_does(beir):
     q = reference.encode([f"{q} {i}" for i, q in zip(instructions, queries)], normalize_embeddings=True)
     expected = [[ids[j] for j in np.argsort(-row, kind="stable")[:5]] for row in q @ p.T]
     assert ranked == expected
+
+
+def test_a_hub_id_that_cannot_be_loaded_is_named(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(sources.SourceError, match=r"--input='nobody/no-such-pairs': .* hub dataset"):
+        sources.load("nobody/no-such-pairs")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The local backend on a tiny random Llama with a character-level tokenizer (the real SmolLM2 path is in
+# tests/test_generation.py and the offline default in the README)
+# ---------------------------------------------------------------------------------------------------------
+
+def tiny_chat_model(folder):
+    torch = pytest.importorskip("torch")
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+
+    chars = ["<pad>", "<eos>"] + sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 :.,?!\n<>|_-"))
+    raw = Tokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="<pad>"))
+    raw.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    raw.decoder = decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, pad_token="<pad>", eos_token="<eos>")
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<eos>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(chars), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                                      eos_token_id=1, pad_token_id=0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def test_local_backend_writes_the_labels_and_keys_sampling_by_request(tmp_path):
+    from infjax.curation.local import LocalBackend
+
+    folder = tiny_chat_model(str(tmp_path / "model"))
+    backend = LocalBackend("tiny", folder, ResponseCache(str(tmp_path / "cache")), batch_size=4)
+    ask = lambda text, **kw: Request.chat([{"role": "user", "content": text}], max_tokens=12, **kw)
+    two_lines = [ask(f"question {i}", fields=("A:", "B:"), stop=("\n\n",)) for i in range(3)]
+    answers = backend.complete(two_lines)
+    for a in answers:
+        lines = a.text.split("\n")
+        assert len(lines) == 2 and lines[0].startswith("A:") and lines[1].startswith("B:"), a.text
+        assert a.completion_tokens > 0 and a.prompt_tokens > 0 and not a.cached
+    again = backend.complete(two_lines[::-1])
+    assert [a.text for a in again] == [a.text for a in answers][::-1] and all(a.cached for a in again)
+    # temperature sampling: a request's answer does not depend on the other requests of its batch
+    sampled = [ask(f"story {i}", temperature=1.0) for i in range(4)]
+    alone = LocalBackend("tiny", folder, ResponseCache(None), batch_size=4).complete(sampled[2:3])[0].text
+    together = LocalBackend("tiny", folder, ResponseCache(None), batch_size=4).complete(sampled)[2].text
+    assert alone == together
+    assert len({a.text for a in backend.complete(sampled)}) > 1

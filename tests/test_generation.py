@@ -94,6 +94,7 @@ def test_the_end_token_stops_a_row_and_pads_the_rest(tmp_path):
     assert list(stopped[1, :first + 1]) == list(free[1, :first + 1]) and not stopped[1, first + 1:].any()
 
 
+@pytest.mark.slow
 def test_sampling_follows_each_rows_key_whatever_the_batch(tmp_path):
     tiny_checkpoint(tmp_path, "llama", True)
     config, params, head = infjax_model(tmp_path)
