@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 
 import numpy as np
 
 from infjax.data import synthetic
 from infjax.errors import UserError
-from infjax.evaluation.datasets import load_beir
+from infjax.evaluation.datasets import load_beir, read_rows
+from infjax.evaluation.types import DataError
 
 
 class SourceError(UserError, ValueError):
@@ -107,17 +107,10 @@ def _rows_to_pairs(rows, where) -> tuple[list[Pair], dict[str, str]]:
 
 def _jsonl(path: str) -> tuple[list[Pair], dict[str, str]]:
     def rows():
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SourceError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(row, dict):
-                    raise SourceError(f"{path}:{n}: expected a JSON object with 'query' and 'passage'")
-                yield n, row
+        try:
+            yield from read_rows(path)            # evaluation's reader: line numbers, one error per bad line
+        except DataError as e:
+            raise SourceError(str(e)) from None
 
     return _rows_to_pairs(rows(), lambda n: f"{path}:{n}")
 

@@ -128,7 +128,7 @@ def _first_existing(paths: Iterable[str], what: str) -> str:
     raise DataError(f"{' or '.join(paths)}: file not found ({what})")
 
 
-def _rows(path: str) -> Iterable[tuple[int, dict]]:
+def read_rows(path: str) -> Iterable[tuple[int, dict]]:
     """(line or row number, record) of a .jsonl, .json, .parquet, .tsv or .csv file."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -200,7 +200,7 @@ def _grade(value, path: str, line: int, field: str) -> int:
 
 def read_corpus(path: str, id_field: str = "_id", text_field: str = "text") -> dict[str, str]:
     corpus = {}
-    for line, row in _rows(_require_file(path, "corpus")):
+    for line, row in read_rows(_require_file(path, "corpus")):
         corpus[str(_field(row, id_field, path, line, (str, int)))] = _doc_text(row, text_field, path, line)
     if not corpus:
         raise DataError(f"{path}: the corpus is empty")
@@ -210,7 +210,7 @@ def read_corpus(path: str, id_field: str = "_id", text_field: str = "text") -> d
 def read_qrels(path: str) -> list[tuple[int, str, str, int]]:
     """(line, query id, doc id, grade) from a qrels .tsv (BEIR header) or .jsonl file."""
     out = []
-    for line, row in _rows(_require_file(path, "qrels")):
+    for line, row in read_rows(_require_file(path, "qrels")):
         qid = str(_field(row, "query-id", path, line, (str, int)))
         did = str(_field(row, "corpus-id", path, line, (str, int)))
         out.append((line, qid, did, _grade(_field(row, "score", path, line, ()), path, line, "score")))
@@ -285,7 +285,7 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
     pools_path = _require_file(os.path.join(folder, "top_ranked.jsonl"), "candidate pools")
     corpus = read_corpus(corpus_path)
     queries, ins_og, ins_new = {}, {}, {}
-    for line, row in _rows(queries_path):
+    for line, row in read_rows(queries_path):
         qid = str(_field(row, "_id", queries_path, line, (str, int)))
         queries[qid] = _field(row, "text", queries_path, line)
         ins_og[qid] = _field(row, "instruction_og", queries_path, line)
@@ -293,7 +293,7 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
     qrels_og = _qrels_dict(read_qrels(og_path), og_path, queries, corpus, lenient_qrels)
     qrels_new = _qrels_dict(read_qrels(new_path), new_path, queries, corpus, lenient_qrels)
     pools: dict[str, dict[str, None]] = {}             # query id -> pool (an ordered set)
-    for line, row in _rows(pools_path):
+    for line, row in read_rows(pools_path):
         qid = str(_field(row, "qid", pools_path, line, (str, int)))
         pid = str(_field(row, "pid", pools_path, line, (str, int)))
         if qid not in qrels_og:
@@ -372,7 +372,7 @@ def load_beir(folder: str, split: str | None = None, instruction: str = "",
     corpus = read_corpus(os.path.join(folder, "corpus.jsonl"))
     queries_path = _require_file(os.path.join(folder, "queries.jsonl"), "queries")
     queries, instructions = {}, {}
-    for line, row in _rows(queries_path):
+    for line, row in read_rows(queries_path):
         qid = str(_field(row, "_id", queries_path, line, (str, int)))
         queries[qid] = _field(row, "text", queries_path, line)
         instructions[qid] = row.get("instruction") or instruction
@@ -427,7 +427,7 @@ def load_mair_dirs(queries_dir: str, docs_dir: str, task: str, lenient_qrels: bo
         dpath = _require_file(os.path.join(docs_dir, docs_stem + ".jsonl"), f"MAIR documents for {qpath}")
         corpus = read_corpus(dpath, id_field="id", text_field="doc")
         queries, instructions, entries = {}, {}, []
-        for line, row in _rows(qpath):
+        for line, row in read_rows(qpath):
             qid = str(_field(row, "qid", qpath, line, (str, int)))
             queries[qid] = _field(row, "query", qpath, line)
             instructions[qid] = _field(row, "instruction", qpath, line)
@@ -466,7 +466,7 @@ def _bright_rows(root: str, config: str, domain: str) -> Iterable[tuple[str, int
         raise DataError(f"{os.path.join(root, config, domain + '-*.parquet')}: file not found "
                         f"(BRIGHT {config}, domain {domain!r})")
     for path in found:
-        for line, row in _rows(path):
+        for line, row in read_rows(path):
             yield path, line, row
 
 
