@@ -175,6 +175,7 @@ def test_watch_flags_drops_since_the_start_and_since_the_last_evaluation():
     assert "0.3200 at step 30, was 0.3000 at step 0 and 0.3450 at step 20" in canary.describe_drop(w[1])
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_trainer_evaluates_canaries_and_warns_on_drops(tmp_path, fake_package):
     from infjax import train
     from tests.test_train import small_config

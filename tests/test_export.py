@@ -285,6 +285,7 @@ def test_decoder_export_left_padding_last_token(tmp_path):
     assert cos.min() >= 0.9999, cos
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
     """A cross-attention run: the exported head + encoder, used as DIR/README.md says, give infjax's iq."""
     torch = pytest.importorskip("torch")

@@ -81,6 +81,7 @@ def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_pa
     assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]       # bit for bit
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     proc = start_cli(tmp_path, "--config.train.steps=500", "--config.checkpoint.every=1000")
     wait_for_step(tmp_path, 2, proc)
@@ -99,6 +100,7 @@ def _damage(step_dir):
             open(os.path.join(root, name), "w").close()      # truncate every file of the saved arrays
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(four_step_run, tmp_path, caplog):
     workdir = str(tmp_path / "run")
     shutil.copytree(four_step_run[0], workdir)          # steps 2 and 4 saved
@@ -126,6 +128,7 @@ def test_restore_onto_four_devices_gives_identical_parameters(four_step_run):
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_resume_on_a_smaller_mesh(four_step_run, tmp_path):
     workdir, config = four_step_run[0], four_step_run[2]
     copy = str(tmp_path / "copy")

@@ -60,7 +60,8 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
 
 
 @pytest.mark.parametrize("objective, interaction, mesh_shape, packed", [
-    ("multi_piiq", "concat", (8, 1), False),     # P, IQ and I sets; instruction negatives iq_neg [R, K, d]
+    pytest.param("multi_piiq", "concat", (8, 1), False, marks=pytest.mark.slow),   # P, IQ and I sets;
+    # instruction negatives iq_neg [R, K, d] (slow: the packed case below runs the same passes by default)
     ("multi_piiq", "concat", (8, 1), True),      # ... each chunk packed apart (rows of 96 tokens)
     pytest.param("uni_piiq", "cross_attention", (2, 4), False, marks=pytest.mark.slow),   # Interaction II:
     # i_vec, query token states, p; fsdp params (slow: in CI)

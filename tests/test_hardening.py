@@ -49,6 +49,7 @@ def test_non_finite_float_knobs_are_refused_naming_the_key(key, value):
         config_lib.validate(small_config(**{key: value}))
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
 def test_an_update_past_float32_range_never_reaches_the_parameters(tmp_path):
     """A finite learning rate of 1e39 is inf in float32: the loss and gradient are finite, the update is not."""
@@ -112,6 +113,7 @@ def test_resume_drops_the_records_written_after_the_checkpoint(tmp_path):
 # ------------------------------------------------------------------ training data fingerprint
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_resume_on_changed_data_is_refused_naming_both_fingerprints(four_step_run, tmp_path, caplog):
     workdir, _, config, data = four_step_run
     copy = str(tmp_path / "run")

@@ -57,6 +57,7 @@ def run20(tmp_path_factory):
     return workdir, result, rows, messages
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_tensorboard_holds_every_logged_step_and_evaluation_of_metrics_jsonl(run20):
     workdir, result, rows, messages = run20
     assert not [m for m in messages if "is illegal" in m]               # no tag renamed by tensorboardX
@@ -95,6 +96,7 @@ def read_wandb_history(workdir):
     return {int(h["step"]["num"]): h["item"] for h in history}, run
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_wandb_offline_run_holds_the_same_history_as_metrics_jsonl(run20):
     pytest.importorskip("wandb")
     workdir, result, rows, _ = run20
@@ -113,12 +115,14 @@ def test_wandb_offline_run_holds_the_same_history_as_metrics_jsonl(run20):
     assert run["config"]["update"]["objective"] == "multi_pi"   # the resolved config is the run's config
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_each_checkpoint_save_logs_one_line_with_its_duration(run20):
     _, _, _, messages = run20
     saved = [m for m in messages if re.match(r"checkpoint \d+ saved in \d+\.\d s \(\d+\.\d s of it holding", m)]
     assert [int(m.split()[1]) for m in saved] == [10, 20], saved
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_real_tokens_per_s_counts_the_non_padding_tokens_of_each_step(run20):
     """real_tokens_per_s / examples_per_s over one step = that step's real tokens / its rows, with the tokens
     counted independently: each text of the global batch tokenized (cut at its max length) and measured."""
@@ -148,6 +152,7 @@ def test_real_tokens_of_a_batch_padded_or_packed(packing):
     assert batches.real_tokens(batch) == want < padded
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_a_failing_writer_warns_once_and_the_run_finishes(tmp_path, monkeypatch, caplog):
     calls = []
 
@@ -215,6 +220,7 @@ LOG_RECORD = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ ")                 # ab
 BAR = re.compile(r"train:\s+\d+%|\d+/12 \[")
 
 
+@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_bar_and_log_lines_never_share_a_terminal_line(tmp_path):
     """A 12-step run on a pseudo-terminal (stdout and stderr), a log line every 2 steps: every piece of the
     output between carriage returns and newlines is a log record or a bar, never both."""
