@@ -36,6 +36,7 @@ from ml_collections import config_flags
 from infjax import config as config_lib
 from infjax.benchmarks import torch_loop
 from infjax.data import synthetic
+from infjax.data.batches import real_tokens
 from infjax.models.encoder import load_encoder
 from infjax.training import mesh as mesh_lib, setup as setup_lib, state as state_lib
 
@@ -170,8 +171,7 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
     seconds = float(np.median(times))
     rows = setup.build.global_rows
     padded = sum(int(np.prod(v.shape)) for k, v in _leaves(batches[0]) if k.endswith("ids"))
-    real = int(np.mean([sum(int((np.asarray(jax.device_get(v)) > 0).sum()) for k, v in _leaves(b)
-                            if k.endswith("mask")) for b in batches[warmup:]]))
+    real = int(np.mean([real_tokens(jax.device_get(b)) for b in batches[warmup:]]))
     peak = peak_flops(jax.devices()[0], peak_override)
     return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "mesh": dict(setup.mesh.shape),
             "rows_per_step": rows, "compile_s": compile_s, "step_s": seconds, "examples_per_s": rows / seconds,

@@ -27,6 +27,11 @@ def rank_change_score(rank_og: int, rank_new: int) -> float:
     return 1.0 - rank_og / rank_new
 
 
+def changed_documents(og: dict[str, int], new: dict[str, int]) -> list[str]:
+    """One query's documents whose relevance differs between its original and changed qrels, sorted."""
+    return [d for d in sorted(set(og) | set(new)) if og.get(d, 0) != new.get(d, 0)]
+
+
 def p_mrr_per_query(run_og: dict[str, dict[str, float]], run_new: dict[str, dict[str, float]],
                     qrels_og: dict[str, dict[str, int]], qrels_new: dict[str, dict[str, int]]) -> dict[str, float]:
     """Per-query p-MRR terms (x100): {query id: mean rank-change score over its changed documents}.
@@ -38,8 +43,7 @@ def p_mrr_per_query(run_og: dict[str, dict[str, float]], run_new: dict[str, dict
     """
     per_query = {}
     for qid in sorted(qrels_og):
-        changed = [d for d in sorted(set(qrels_og[qid]) | set(qrels_new.get(qid, {})))
-                   if qrels_og[qid].get(d, 0) != qrels_new.get(qid, {}).get(d, 0)]
+        changed = changed_documents(qrels_og[qid], qrels_new.get(qid, {}))
         if not changed:
             continue
         r_og, r_new = ranks(run_og.get(qid, {})), ranks(run_new.get(qid, {}))

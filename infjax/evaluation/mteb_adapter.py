@@ -44,6 +44,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from infjax.evaluation import metrics
 from infjax.evaluation.types import DataError, FollowIRTask
 from infjax.inference.sources import EmbeddingModel, load_model
 
@@ -150,11 +151,7 @@ def changed_documents(task: FollowIRTask) -> dict[str, list[str]]:
     """Query id -> the documents whose relevance differs between the original and the changed qrels
     (what MTEB's FollowIR data calls `qrel_diff`; infjax's p-MRR runs over the same documents)."""
     s = task.split
-    out = {}
-    for q in s.queries:
-        og, new = s.qrels_og.get(q, {}), s.qrels_changed.get(q, {})
-        out[q] = [d for d in sorted(set(og) | set(new)) if og.get(d, 0) != new.get(d, 0)]
-    return out
+    return {q: metrics.changed_documents(s.qrels_og.get(q, {}), s.qrels_changed.get(q, {})) for q in s.queries}
 
 
 def mteb_task(task: FollowIRTask):

@@ -50,14 +50,19 @@ def initialize(env=None) -> dict:
     return info
 
 
+def _gathered(value, dtype) -> np.ndarray:
+    """`value` of every process, in process order (every process must call at the same point)."""
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(np.asarray([value], dtype))
+
+
 def max_over_processes(value: int) -> int:
     """The largest `value` over all processes: an agreement (every process must call it at the same point
     of the program, e.g. once per training step). One process: `value` itself, with no communication."""
     if jax.process_count() == 1:
         return int(value)
-    from jax.experimental import multihost_utils
-
-    return int(np.max(multihost_utils.process_allgather(np.asarray([value], np.int32))))
+    return int(np.max(_gathered(value, np.int32)))
 
 
 def sum_over_processes(value: float) -> float:
@@ -65,9 +70,7 @@ def sum_over_processes(value: float) -> float:
     digits are enough); the same calling rule as `max_over_processes`. One process: `value` itself."""
     if jax.process_count() == 1:
         return float(value)
-    from jax.experimental import multihost_utils
-
-    return float(np.sum(multihost_utils.process_allgather(np.asarray([value], np.float32)), dtype=np.float64))
+    return float(np.sum(_gathered(value, np.float32), dtype=np.float64))
 
 
 def barrier(name: str) -> None:
