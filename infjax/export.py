@@ -32,7 +32,7 @@ import numpy as np
 from infjax import errors
 from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
-from infjax.models import hf_io
+from infjax.models.hf import files as hf_files
 from infjax.models.registry import FAMILIES
 from infjax.training import storage
 from infjax.training.restore import check_finite, load_run
@@ -189,7 +189,7 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
     architecture = FAMILIES[family].architecture
     os.makedirs(folder, exist_ok=True)
     _write_json(os.path.join(folder, "config.json"), export_config(hf_config, architecture))
-    hf_io.save_safetensors(folder, tensors, max_shard_size)
+    hf_files.save_safetensors(folder, tensors, max_shard_size)
     write_tokenizer(folder, base_path, padding_side)
     write_sentence_transformers_files(folder, hf_config["hidden_size"], pooling, max_seq_length,
                                       query_prefix, passage_prefix)
@@ -413,7 +413,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
     run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
     config = run.config
     return export_model(
-        out_abs, family=run.encoder.family, params=run.params, hf_config=hf_io.load_hf_config(run.base_path),
+        out_abs, family=run.encoder.family, params=run.params, hf_config=hf_files.load_hf_config(run.base_path),
         base_path=run.base_path, pooling=run.encoder.pooling, padding_side=run.encoder.padding_side,
         query_template=config.data.query_template, query_prefix=config.data.query_prefix,
         passage_prefix=config.data.passage_prefix, query_max_len=config.data.query_max_len,

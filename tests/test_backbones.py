@@ -11,15 +11,14 @@ import pytest
 from infjax.models import layers as L
 from infjax.models.decoder import DecoderConfig
 from infjax.models.encoder import Encoder, detect_family, load_encoder
-from infjax.models.hf_decoder import llama_params_to_hf, load_llama, load_qwen2, qwen2_params_to_hf
-from infjax.models.hf_io import load_hf_config, read_safetensors
-from infjax.models.hf_modernbert import load_modernbert, modernbert_params_to_hf
+from infjax.models import registry
+from infjax.models.hf.files import load_hf_config, read_safetensors
 from infjax.models.modernbert import ModernBertConfig
 
 FAMILIES = ("modernbert", "llama", "qwen2")
 DECODERS = ("llama", "qwen2")
-LOADERS = {"modernbert": load_modernbert, "llama": load_llama, "qwen2": load_qwen2}
-TO_HF = {"modernbert": modernbert_params_to_hf, "llama": llama_params_to_hf, "qwen2": qwen2_params_to_hf}
+LOADERS = {f: registry.FAMILIES[f].load for f in FAMILIES}
+TO_HF = {f: registry.FAMILIES[f].names.to_hf for f in FAMILIES}
 CONFIGS = {"modernbert": ModernBertConfig, "llama": DecoderConfig, "qwen2": DecoderConfig}
 VOCAB, SEQ = 100, 16
 LENGTHS = (16, 9, 3)
@@ -130,7 +129,7 @@ def test_import_matches_pytorch(family, checkpoint):
 def test_export_round_trip_matches_pytorch(family, checkpoint, tmp_path):
     import transformers
 
-    from infjax.models.hf_io import save_safetensors
+    from infjax.models.hf.files import save_safetensors
 
     folder, model = checkpoint
     module, params, hf_config, _ = LOADERS[family](folder)
@@ -216,9 +215,9 @@ def test_missing_and_unexpected_tensors_are_named(family, checkpoint, tmp_path):
 def test_unknown_or_mismatched_model_type_is_refused(tmp_path, tmp_path_factory):
     folder, _ = tiny_checkpoint("qwen2", tmp_path_factory)
     with pytest.raises(ValueError, match="'qwen2', expected 'llama'"):
-        load_llama(folder)
+        LOADERS["llama"](folder)
     with pytest.raises(ValueError, match="model_type"):
-        load_modernbert(folder)
+        LOADERS["modernbert"](folder)
     odd = tmp_path / "odd"
     odd.mkdir()
     config = load_hf_config(folder)
@@ -227,7 +226,7 @@ def test_unknown_or_mismatched_model_type_is_refused(tmp_path, tmp_path_factory)
     with pytest.raises(ValueError, match="'gpt_neox' is not supported"):
         detect_family(str(odd))
     with pytest.raises(ValueError, match="gpt_neox"):
-        load_qwen2(str(odd))
+        LOADERS["qwen2"](str(odd))
 
 
 def test_hub_style_configs_parse():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from infjax import config as config_lib, export
-from infjax.models import hf_io
+from infjax.models.hf import files as hf_files
+from infjax.models.registry import FAMILIES
 from infjax.models import layers as L
 from infjax.models.bert import BertConfig, BertModel
 from infjax.models.encoder import load_encoder
@@ -61,7 +62,7 @@ def _padded_random_batch(seed=0, batch=3, seq_len=11, vocab=99):
 @pytest.fixture(scope="module")
 def minilm_path():
     try:
-        return hf_io.embedded_minilm_path()
+        return hf_files.embedded_minilm_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
 
@@ -92,7 +93,7 @@ def test_minilm_matches_transformers_and_sentence_transformers(minilm_path):
     transformers = pytest.importorskip("transformers")
     st = pytest.importorskip("sentence_transformers")
 
-    module, params, hf_config, path = hf_io.load_bert(minilm_path)
+    module, params, hf_config, path = FAMILIES["bert"].load(minilm_path)
     assert path == minilm_path and hf_config["model_type"] == "bert"
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     batch = dict(tokenizer(TEXTS, padding=True, return_tensors="np"))
@@ -132,8 +133,8 @@ def _hidden(module, params, batch):
 def test_minilm_scan_layers_matches_unrolled(minilm_path):
     """Real weights: the scanned stack (loaded stacked under ``layers``) gives the unrolled hidden states."""
     batch = _minilm_batch(minilm_path)
-    module, params, _, _ = hf_io.load_bert(minilm_path)
-    scanned, stacked, _, _ = hf_io.load_bert(minilm_path, scan_layers=True)
+    module, params, _, _ = FAMILIES["bert"].load(minilm_path)
+    scanned, stacked, _, _ = FAMILIES["bert"].load(minilm_path, scan_layers=True)
     assert scanned.scan_layers and not module.scan_layers
     assert set(stacked) == {"embeddings", L.SCANNED}
     assert stacked[L.SCANNED]["attention"]["query"]["kernel"].shape == (6, 384, 384)
@@ -171,12 +172,12 @@ def test_scanned_minilm_exports_and_transformers_reproduces_it(minilm_path, tmp_
     """A scanned (stacked) BERT tree exports to HF names; transformers loads it and gives our states."""
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    module, params, hf_config, _ = hf_io.load_bert(minilm_path, scan_layers=True)
+    module, params, hf_config, _ = FAMILIES["bert"].load(minilm_path, scan_layers=True)
     rng = np.random.default_rng(0)     # move away from the base weights, as training would
     params = jax.tree.map(lambda x: x + 0.01 * rng.standard_normal(x.shape).astype(x.dtype), params)
     config = BertConfig.from_hf_dict(hf_config)
-    tensors = hf_io.bert_params_to_hf(params, config)
-    unrolled = hf_io.bert_params_to_hf(L.unstack_layers(params, 0), config)
+    tensors = FAMILIES["bert"].names.to_hf(params, config)
+    unrolled = FAMILIES["bert"].names.to_hf(L.unstack_layers(params, 0), config)
     assert set(tensors) == set(unrolled)
     assert all(np.array_equal(tensors[k], unrolled[k]) for k in unrolled)
 
@@ -199,7 +200,7 @@ def test_scanned_minilm_exports_and_transformers_reproduces_it(minilm_path, tmp_
 
 def test_tiny_checkpoint_matches_torch(tiny_checkpoint):
     folder, torch_model = tiny_checkpoint
-    module, params, _, _ = hf_io.load_bert(folder)
+    module, params, _, _ = FAMILIES["bert"].load(folder)
     batch = _padded_random_batch()
     hidden = module.apply(
         {"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
@@ -229,14 +230,14 @@ def test_tanh_gelu_variants_and_swish_match_torch(tmp_path, hidden_act):
     config = transformers.BertConfig(**TINY_HF_KWARGS, hidden_act=hidden_act)
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path)
-    module, params, _, _ = hf_io.load_bert(str(tmp_path))
+    module, params, _, _ = FAMILIES["bert"].load(str(tmp_path))
     batch = _padded_random_batch(seed=2)
     hidden = module.apply({"params": params}, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
     assert _masked_max_diff(hidden, _torch_last_hidden(model, batch), batch["attention_mask"]) <= 1e-5
 
 
 def test_padding_does_not_change_real_positions(tiny_checkpoint):
-    module, params, _, _ = hf_io.load_bert(tiny_checkpoint[0])
+    module, params, _, _ = FAMILIES["bert"].load(tiny_checkpoint[0])
     ids = np.array([[5, 6, 7, 8]])
     short = module.apply({"params": params}, ids, np.ones_like(ids))
     padded_ids = np.array([[5, 6, 7, 8, 0, 0, 0]])
@@ -246,7 +247,7 @@ def test_padding_does_not_change_real_positions(tiny_checkpoint):
 
 
 def test_dropout_and_remat(tiny_checkpoint):
-    module, params, _, _ = hf_io.load_bert(tiny_checkpoint[0])
+    module, params, _, _ = FAMILIES["bert"].load(tiny_checkpoint[0])
     batch = _padded_random_batch()
     args = (batch["input_ids"], batch["attention_mask"])
     eval_out = module.apply({"params": params}, *args)
@@ -260,7 +261,7 @@ def test_dropout_and_remat(tiny_checkpoint):
 def test_scan_and_remat_give_the_same_outputs_and_gradients(tiny_checkpoint):
     """Small random BERT: scanned (with and without remat) equals unrolled in outputs and gradients."""
     folder, _ = tiny_checkpoint
-    module, params, _, _ = hf_io.load_bert(folder)
+    module, params, _, _ = FAMILIES["bert"].load(folder)
     batch = _padded_random_batch()
     ids, mask, types = batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]
 
@@ -270,7 +271,7 @@ def test_scan_and_remat_give_the_same_outputs_and_gradients(tiny_checkpoint):
     reference = np.asarray(module.apply({"params": params}, ids, mask, types))
     ref_grads = jax.jit(jax.grad(loss(module)))(params)
     for remat in (False, True):
-        m, p, _, _ = hf_io.load_bert(folder, remat=remat, scan_layers=True)
+        m, p, _, _ = FAMILIES["bert"].load(folder, remat=remat, scan_layers=True)
         assert (m.remat, m.scan_layers, L.SCANNED in p) == (remat, True, True)
         out = np.asarray(m.apply({"params": p}, ids, mask, types))
         diff = float(np.abs(out - reference).max())
@@ -287,7 +288,7 @@ def test_scan_and_remat_give_the_same_outputs_and_gradients(tiny_checkpoint):
 def test_scan_with_remat_and_dropout(tiny_checkpoint):
     """Dropout runs inside the scan (one mask per layer); remat recomputes the same masks."""
     folder, _ = tiny_checkpoint
-    module, params, _, _ = hf_io.load_bert(folder, scan_layers=True)
+    module, params, _, _ = FAMILIES["bert"].load(folder, scan_layers=True)
     batch = _padded_random_batch()
     args = (batch["input_ids"], batch["attention_mask"])
     rngs = {"dropout": jax.random.PRNGKey(0)}
@@ -309,20 +310,20 @@ def test_scan_with_remat_and_dropout(tiny_checkpoint):
 def test_scanned_init_tree_is_the_stacked_name_map_tree(tiny_checkpoint):
     """``init`` of a scanned module gives the layout ``stack_layers`` makes from the HF name map."""
     folder, _ = tiny_checkpoint
-    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    config = BertConfig.from_hf_dict(hf_files.load_hf_config(folder))
     ids = jnp.zeros((1, 3), jnp.int32)
     init_params = BertModel(config, scan_layers=True).init(jax.random.PRNGKey(0), ids, ids)["params"]
-    stacked = L.stack_layers(hf_io.bert_params_from_hf(hf_io.read_safetensors(folder), config), 0,
+    stacked = L.stack_layers(FAMILIES["bert"].names.from_hf(hf_files.read_safetensors(folder), config), 0,
                              config.num_hidden_layers)
     assert jax.tree.map(np.shape, init_params) == jax.tree.map(np.shape, stacked)
 
 
 def test_init_tree_matches_name_map(tiny_checkpoint):
     folder, _ = tiny_checkpoint
-    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
+    config = BertConfig.from_hf_dict(hf_files.load_hf_config(folder))
     ids = jnp.zeros((1, 3), jnp.int32)
     init_params = BertModel(config).init(jax.random.PRNGKey(0), ids, ids)["params"]
-    loaded = hf_io.bert_params_from_hf(hf_io.read_safetensors(folder), config)
+    loaded = FAMILIES["bert"].names.from_hf(hf_files.read_safetensors(folder), config)
     assert jax.tree_util.tree_structure(init_params) == jax.tree_util.tree_structure(loaded)
     shapes = jax.tree_util.tree_map(lambda x: x.shape, init_params)
     assert shapes == jax.tree_util.tree_map(lambda x: x.shape, loaded)
@@ -335,9 +336,9 @@ def test_init_tree_matches_name_map(tiny_checkpoint):
 
 def test_name_map_round_trip_is_exact(tiny_checkpoint):
     folder, _ = tiny_checkpoint
-    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
-    tensors = hf_io.read_safetensors(folder)
-    back = hf_io.bert_params_to_hf(hf_io.bert_params_from_hf(tensors, config), config)
+    config = BertConfig.from_hf_dict(hf_files.load_hf_config(folder))
+    tensors = hf_files.read_safetensors(folder)
+    back = FAMILIES["bert"].names.to_hf(FAMILIES["bert"].names.from_hf(tensors, config), config)
     kept = {k for k in tensors if not k.startswith("pooler.") and k != "embeddings.position_ids"}
     assert set(back) == kept
     for name in kept:
@@ -347,35 +348,35 @@ def test_name_map_round_trip_is_exact(tiny_checkpoint):
 
 def test_bert_prefix_is_accepted(tiny_checkpoint):
     folder, _ = tiny_checkpoint
-    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
-    tensors = hf_io.read_safetensors(folder)
+    config = BertConfig.from_hf_dict(hf_files.load_hf_config(folder))
+    tensors = hf_files.read_safetensors(folder)
     prefixed = {"bert." + k: v for k, v in tensors.items()}
     prefixed["cls.predictions.bias"] = np.zeros(config.vocab_size, np.float32)
-    a = hf_io.bert_params_from_hf(tensors, config)
-    b = hf_io.bert_params_from_hf(prefixed, config)
+    a = FAMILIES["bert"].names.from_hf(tensors, config)
+    b = FAMILIES["bert"].names.from_hf(prefixed, config)
     jax.tree_util.tree_map(np.testing.assert_array_equal, a, b)
-    out = hf_io.bert_params_to_hf(b, config, prefix="bert.")
+    out = FAMILIES["bert"].names.to_hf(b, config, prefix="bert.")
     np.testing.assert_array_equal(out["bert.encoder.layer.1.output.dense.weight"],
                                   tensors["encoder.layer.1.output.dense.weight"])
 
 
 def test_missing_unexpected_and_misshapen_tensors_are_named(tiny_checkpoint):
     folder, _ = tiny_checkpoint
-    config = BertConfig.from_hf_dict(hf_io.load_hf_config(folder))
-    tensors = hf_io.read_safetensors(folder)
+    config = BertConfig.from_hf_dict(hf_files.load_hf_config(folder))
+    tensors = hf_files.read_safetensors(folder)
 
     missing = dict(tensors)
     del missing["encoder.layer.1.output.dense.bias"]
     with pytest.raises(ValueError, match=r"missing.*encoder\.layer\.1\.output\.dense\.bias"):
-        hf_io.bert_params_from_hf(missing, config)
+        FAMILIES["bert"].names.from_hf(missing, config)
 
     extra = dict(tensors, **{"encoder.layer.0.attention.self.rotary.weight": np.zeros(3, np.float32)})
     with pytest.raises(ValueError, match=r"unexpected.*encoder\.layer\.0\.attention\.self\.rotary\.weight"):
-        hf_io.bert_params_from_hf(extra, config)
+        FAMILIES["bert"].names.from_hf(extra, config)
 
     wrong = dict(tensors, **{"encoder.layer.0.intermediate.dense.weight": np.zeros((37, 31), np.float32)})
     with pytest.raises(ValueError, match=r"encoder\.layer\.0\.intermediate\.dense\.weight"):
-        hf_io.bert_params_from_hf(wrong, config)
+        FAMILIES["bert"].names.from_hf(wrong, config)
 
 
 def test_fp16_bf16_and_sharded_checkpoints_load_as_float32(tiny_checkpoint, tmp_path):
@@ -383,29 +384,29 @@ def test_fp16_bf16_and_sharded_checkpoints_load_as_float32(tiny_checkpoint, tmp_
     import copy
 
     folder, shared_model = tiny_checkpoint
-    reference = hf_io.read_safetensors(folder)
+    reference = hf_files.read_safetensors(folder)
     for dtype in (torch.float16, torch.bfloat16):
         out = tmp_path / str(dtype).split(".")[-1]
         model = copy.deepcopy(shared_model).to(dtype)
         model.save_pretrained(out, max_shard_size="20KB")
-        assert os.path.isfile(out / hf_io.SAFETENSORS_INDEX)
-        loaded = hf_io.read_safetensors(str(out))
+        assert os.path.isfile(out / hf_files.SAFETENSORS_INDEX)
+        loaded = hf_files.read_safetensors(str(out))
         assert set(loaded) == set(reference)
         name = "encoder.layer.0.attention.self.query.weight"
         assert loaded[name].dtype == np.float32
         expected = model.state_dict()[name].float().numpy()
         np.testing.assert_array_equal(loaded[name], expected)
         shard = sorted(p for p in os.listdir(out) if p.endswith(".safetensors"))[0]
-        raw = hf_io._read_safetensors_raw(str(out / shard))  # the no-ml_dtypes-in-safetensors fallback
+        raw = hf_files._read_safetensors_raw(str(out / shard))  # the no-ml_dtypes-in-safetensors fallback
         for k, v in raw.items():
-            np.testing.assert_array_equal(hf_io._to_float32(v), loaded[k])
+            np.testing.assert_array_equal(hf_files._to_float32(v), loaded[k])
 
 
 def test_pickle_only_folder_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
     with pytest.raises(ValueError, match="pytorch_model.bin"):
-        hf_io.read_safetensors(str(tmp_path))
+        hf_files.read_safetensors(str(tmp_path))
 
 
 def test_resolve_checkpoint_offline_names_the_id(monkeypatch, tmp_path):
@@ -414,13 +415,13 @@ def test_resolve_checkpoint_offline_names_the_id(monkeypatch, tmp_path):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(hf_io.CheckpointNotFound, match="some-org/does-not-exist") as info:
-        hf_io.resolve_checkpoint("some-org/does-not-exist")
+    with pytest.raises(hf_files.CheckpointNotFound, match="some-org/does-not-exist") as info:
+        hf_files.resolve_checkpoint("some-org/does-not-exist")
     assert isinstance(info.value, FileNotFoundError)
     assert "--config.model.checkpoint" in str(info.value)
-    assert hf_io.resolve_checkpoint(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(hf_io.CheckpointNotFound, match="does not exist"):
-        hf_io.resolve_checkpoint(str(tmp_path / "nope"))
+    assert hf_files.resolve_checkpoint(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(hf_files.CheckpointNotFound, match="does not exist"):
+        hf_files.resolve_checkpoint(str(tmp_path / "nope"))
 
 
 def test_config_validation(tmp_path):
@@ -436,9 +437,9 @@ def test_config_validation(tmp_path):
         BertConfig.from_hf_dict(dict(base, position_embedding_type="relative_key"))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json"):
-        hf_io.load_hf_config(str(tmp_path))
+        hf_files.load_hf_config(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        hf_io.load_hf_config(str(tmp_path / "missing"))
+        hf_files.load_hf_config(str(tmp_path / "missing"))
 
 
 # --------------------------------------------------------------------------

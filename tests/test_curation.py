@@ -413,7 +413,7 @@ def test_retriever_ranks_the_collection_as_sentence_transformers_does(beir):
 
     from infjax.curation.retrieve import Retriever
     from infjax.models.encoder import EMBEDDED
-    from infjax.models.hf_io import embedded_minilm_path
+    from infjax.models.hf.files import embedded_minilm_path
 
     collection = sources.load(beir)
     retriever = Retriever(EMBEDDED, collection, top_k=5)

@@ -273,7 +273,7 @@ def test_followir_fixture_scores_end_to_end_and_matches_the_synthetic_split(tmp_
 @needs_minilm
 def test_beir_fixture_end_to_end_st_folder_equals_hf_checkpoint_through_infjax(tmp_path):
     """The embedded MiniLM folder read by sentence-transformers (torch) and by infjax gives the same metrics."""
-    from infjax.models.hf_io import embedded_minilm_path
+    from infjax.models.hf.files import embedded_minilm_path
 
     beir = write_beir(str(tmp_path / "toy"))
     folder = embedded_minilm_path()

@@ -14,7 +14,7 @@ pytest.importorskip("sentence_transformers")
 from infjax import config as config_lib, export, train  # noqa: E402
 from infjax.data.tokenize import Tokenizer  # noqa: E402
 from infjax.models.encoder import Encoder, load_encoder  # noqa: E402
-from infjax.models.hf_io import load_hf_config, read_safetensors  # noqa: E402
+from infjax.models.hf.files import load_hf_config, read_safetensors  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
 
 TEXTS = [

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from infjax.models import generation
-from infjax.models.hf_decoder import load_decoder
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -51,9 +50,7 @@ def hf_greedy(model, ids, mask, new_tokens, eos=None):
 
 
 def infjax_model(folder):
-    module, params, _, path = load_decoder(str(folder))
-    head = generation.load_lm_head(path, params, module.config)
-    return module.config, generation.stacked(params, module.config), head
+    return generation.load(str(folder))
 
 
 @pytest.mark.parametrize("family,tied", [("llama", True), ("qwen2", False)])

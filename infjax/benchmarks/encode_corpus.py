@@ -26,7 +26,7 @@ from infjax.data import synthetic
 from infjax.data.tokenize import Tokenizer
 from infjax.inference.embedders import TextEmbedder
 from infjax.models.encoder import load_encoder
-from infjax.models.hf_io import embedded_minilm_path
+from infjax.models.hf.files import embedded_minilm_path
 from infjax.training.mesh import default_mesh, replicated
 
 

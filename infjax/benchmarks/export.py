@@ -25,10 +25,10 @@ import jax
 import numpy as np
 
 from infjax import config as config_lib
-from infjax.models import hf_io
+from infjax.models.hf import files as hf_files
+from infjax.models import decoder
 from infjax.models.decoder import DecoderConfig, DecoderModel
 from infjax.models.encoder import load_encoder
-from infjax.models.hf_decoder import decoder_params_to_hf
 from infjax.training import checkpoint, state as state_lib
 
 GIB = 2**30
@@ -58,12 +58,12 @@ def build_base(folder: str, a) -> int:
                                       num_key_value_heads=a.kv_heads, tie_word_embeddings=False)
     os.makedirs(folder, exist_ok=True)
     config.save_pretrained(folder)
-    hf = hf_io.load_hf_config(folder)
+    hf = hf_files.load_hf_config(folder)
     module = DecoderModel(DecoderConfig.from_hf_dict(hf, folder))
     ids = np.zeros((1, 1), np.int32)
     params = jax.jit(lambda: module.init(jax.random.PRNGKey(0), ids, np.ones_like(ids)))()["params"]
     params = jax.tree.map(np.asarray, params)
-    hf_io.save_safetensors(folder, decoder_params_to_hf(params, DecoderConfig.from_hf_dict(hf, folder)), 5 * 10**9)
+    hf_files.save_safetensors(folder, decoder.HF_NAMES.to_hf(params, module.config), 5 * 10**9)
     vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, a.vocab)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -112,7 +112,7 @@ def child(module: str, args: list[str], tree: str | None) -> dict:
 def exported_equal(out: str, base: str) -> bool:
     """The export's tensors equal, bit for bit, the parameters the run saved: those of the base folder, which
     the run's only checkpoint holds unchanged (read with safetensors, apart from any infjax restore code)."""
-    got, want = hf_io.read_safetensors(out), hf_io.read_safetensors(base)
+    got, want = hf_files.read_safetensors(out), hf_files.read_safetensors(base)
     return set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in want)
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
     if not os.path.isdir(os.path.join(workdir, "checkpoints")):
         save_run(workdir, base)
     if count is None:
-            count = sum(int(v.size) for v in hf_io.read_safetensors(base).values())
+            count = sum(int(v.size) for v in hf_files.read_safetensors(base).values())
     param_gib = count * 4 / GIB
     print(f"qwen2 shape: hidden {a.hidden}, {a.layers} layers, vocab {a.vocab}: {count / 1e6:.1f}M parameters, "
           f"{param_gib:.2f} GiB float32 (built in {time.perf_counter() - t:.0f} s, in {root})")

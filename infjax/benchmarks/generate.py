@@ -16,7 +16,6 @@ import jax.numpy as jnp
 
 from infjax.curation import local
 from infjax.models import generation
-from infjax.models.hf_decoder import load_decoder
 
 TOPICS = ("the history of Rome", "how vaccines work", "the rules of chess", "why the sky is blue",
           "the water cycle", "how a compiler works", "the life of bees", "volcanoes")
@@ -63,10 +62,7 @@ def main(argv: list[str]) -> None:
 
     path = local.resolve_local_model(args.model, args.local_cache)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    module, params, _, _ = load_decoder(path)
-    config = module.config
-    head = generation.load_lm_head(path, params, config)
-    params = generation.stacked(params, config)
+    config, params, head = generation.load(path)
     pad = tokenizer.pad_token_id or 0
     seqs = prompts(tokenizer, args.prompts)
     length = max(map(len, seqs))

@@ -33,7 +33,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from infjax.curation.backends import Backend, Completion, Request, ResponseCache
 from infjax.errors import UserError
 from infjax.models import generation
-from infjax.models.hf_decoder import load_decoder
 from infjax.training.mesh import BATCH_AXES, batch_shards, default_mesh
 
 SMOLLM2 = "smollm2"
@@ -120,12 +119,11 @@ class LocalBackend(Backend):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         if self.tokenizer.chat_template is None:
             raise LocalModelError(f"{path}: the tokenizer has no chat template (use an instruct checkpoint)")
-        module, params, _, _ = load_decoder(path)
-        self.config = module.config
+        self.config, params, head = generation.load(path)
         self.mesh = mesh if mesh is not None else default_mesh()
         replicated = NamedSharding(self.mesh, P())
-        self.params = jax.device_put(generation.stacked(params, self.config), replicated)
-        self.head = jax.device_put(generation.load_lm_head(path, params, self.config), replicated)
+        self.params = jax.device_put(params, replicated)
+        self.head = jax.device_put(head, replicated)
         self.eos_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else -1
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else max(self.eos_id, 0)
         self._pieces: list[str] | None = None

@@ -28,7 +28,7 @@ import numpy as np
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
-from infjax.models import hf_io
+from infjax.models.hf import files as hf_files
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.training import storage
 from infjax.training.mesh import default_mesh, put, replicated
@@ -216,7 +216,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
         raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
     try:
         path = checkpoint_path(source)
-    except hf_io.CheckpointNotFound as e:
+    except hf_files.CheckpointNotFound as e:
         raise ModelSourceError(f"--model={source!r}: {e}") from None
     pooling = pooling or st_pooling(path) or "auto"         # auto: the family's own (models/registry.py)
     config = ml_collections.ConfigDict({"checkpoint": path, "family": "auto", "pooling": pooling,
@@ -224,7 +224,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     encoder, params, path = load_encoder(config)
     check_finite(params, f"--model={source}")
     pooling = encoder.pooling                                 # "auto" resolved
-    max_pos = hf_io.load_hf_config(path).get("max_position_embeddings") or 8192
+    max_pos = hf_files.load_hf_config(path).get("max_position_embeddings") or 8192
     qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
     plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
     tokenizer = Tokenizer(path, padding_side=encoder.padding_side)

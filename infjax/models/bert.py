@@ -3,7 +3,7 @@
 The module computes the same function as Hugging Face ``transformers.BertModel``
 (post-LayerNorm BERT with absolute position embeddings) and returns the last
 hidden states. Parameters are a plain nested dict whose layout is deliberately
-regular so that the Hugging Face name map in :mod:`infjax.models.hf_io` is a
+regular so that the Hugging Face name map at the end of this file (``HF_NAMES``) is a
 simple table::
 
     embeddings/word_embeddings/embedding          [V, H]
@@ -29,13 +29,15 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import re
+from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from infjax.models import layers as L
 from infjax.models.attention import attention, segment_positions
+from infjax.models.hf.names import NameMap
 
 # Keys a Hugging Face BERT config.json must carry (everything else has the
 # same default as transformers.BertConfig).
@@ -240,3 +242,40 @@ class BertModel(nn.Module):
         return L.run_layers(BertLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
                             (attention_mask,), first=0,
                             remat=self.remat, scan=self.scan_layers)
+
+
+def hf_names(config: BertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:
+    """``(hf_name, flax_path, transpose)`` for every tensor of HF ``BertModel``."""
+    emb = ("embeddings",)
+    yield "embeddings.word_embeddings.weight", emb + ("word_embeddings", "embedding"), False
+    yield "embeddings.position_embeddings.weight", emb + ("position_embeddings", "embedding"), False
+    yield "embeddings.token_type_embeddings.weight", emb + ("token_type_embeddings", "embedding"), False
+    yield "embeddings.LayerNorm.weight", emb + ("LayerNorm", "scale"), False
+    yield "embeddings.LayerNorm.bias", emb + ("LayerNorm", "bias"), False
+    for i in range(config.num_hidden_layers):
+        hf = f"encoder.layer.{i}."
+        fx = (f"layer_{i}",)
+        linears = {
+            "attention.self.query": fx + ("attention", "query"),
+            "attention.self.key": fx + ("attention", "key"),
+            "attention.self.value": fx + ("attention", "value"),
+            "attention.output.dense": fx + ("attention", "output"),
+            "intermediate.dense": fx + ("intermediate",),
+            "output.dense": fx + ("output",),
+        }
+        for hf_mod, fx_mod in linears.items():
+            yield hf + hf_mod + ".weight", fx_mod + ("kernel",), True
+            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
+        norms = {
+            "attention.output.LayerNorm": fx + ("attention_LayerNorm",),
+            "output.LayerNorm": fx + ("output_LayerNorm",),
+        }
+        for hf_mod, fx_mod in norms.items():
+            yield hf + hf_mod + ".weight", fx_mod + ("scale",), False
+            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
+
+
+# Task checkpoints (BertForMaskedLM, ...) prefix "bert."; their pooler / MLM heads and the position_ids
+# buffer carry nothing an encoder uses.
+HF_NAMES = NameMap("BERT", hf_names, BertModel, prefixes=("bert.",),
+                   ignorable=re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)"))

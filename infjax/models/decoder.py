@@ -26,13 +26,15 @@ With ``scan_layers=True`` the ``layer_{i}`` subtrees are stacked into one
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import re
+from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from infjax.models import layers as L
 from infjax.models.attention import attention, segment_positions
+from infjax.models.hf.names import NameMap
 
 MODEL_TYPES = ("llama", "qwen2")
 # HF class of the bare model (what an export's config.json names as architecture).
@@ -125,7 +127,10 @@ class DecoderAttention(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids):
+    def __call__(self, x, cos, sin, segment_ids, cache=None):
+        """Self attention of x [B, T, H]; with a key/value `cache` (generation: an object whose
+        ``attend(q, k, v)`` stores the new keys/values and attends over all cached ones, returning
+        ``(context, cache)``), returns ``(output, cache)`` and ignores `segment_ids`."""
         cfg = self.config
         b, t, _ = x.shape
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
@@ -135,9 +140,13 @@ class DecoderAttention(nn.Module):
         q = L.apply_rope(q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), cos, sin)
         k = L.apply_rope(k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-        drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
-        ctx = attention(q, k, v, segment_ids, causal=True, dropout=drop)
-        return L.dense(cfg.hidden_size, "o_proj", use_bias=False, **kw)(ctx.reshape(b, t, -1))
+        if cache is not None:
+            ctx, cache = cache.attend(q, k, v)
+        else:
+            drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
+            ctx = attention(q, k, v, segment_ids, causal=True, dropout=drop)
+        out = L.dense(cfg.hidden_size, "o_proj", use_bias=False, **kw)(ctx.reshape(b, t, -1).astype(x.dtype))
+        return out if cache is None else (out, cache)
 
 
 class DecoderLayer(nn.Module):
@@ -149,13 +158,18 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x, cos, sin, segment_ids):
+    def __call__(self, x, cos, sin, segment_ids, cache=None):
+        """The block on x [B, T, H]; with a key/value `cache` (see `DecoderAttention`) returns (x, cache)."""
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = L.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x)
-        x = x + DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, segment_ids)
+        attn = DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, segment_ids, cache)
+        if cache is not None:
+            attn, cache = attn
+        x = x + attn
         h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
-        return x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        x = x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        return x if cache is None else (x, cache)
 
 
 class DecoderModel(nn.Module):
@@ -192,3 +206,27 @@ class DecoderModel(nn.Module):
                          (cos, sin, attention_mask), first=0,
                          remat=self.remat, scan=self.scan_layers)
         return L.RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+
+
+def hf_names(config: DecoderConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:
+    """``(hf_name, flax_path, transpose)`` for every tensor of HF ``LlamaModel`` / ``Qwen2Model``. RoPE
+    needs no permutation: the module uses HF's rotate-half layout."""
+    yield "embed_tokens.weight", ("embed_tokens", "embedding"), False
+    for i in range(config.num_hidden_layers):
+        hf, fx = f"layers.{i}.", (f"layer_{i}",)
+        yield hf + "input_layernorm.weight", fx + ("input_layernorm", "scale"), False
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            yield hf + f"self_attn.{proj}.weight", fx + ("self_attn", proj, "kernel"), True
+            if config.qkv_bias:
+                yield hf + f"self_attn.{proj}.bias", fx + ("self_attn", proj, "bias"), False
+        yield hf + "self_attn.o_proj.weight", fx + ("self_attn", "o_proj", "kernel"), True
+        yield hf + "post_attention_layernorm.weight", fx + ("post_attention_layernorm", "scale"), False
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield hf + f"mlp.{proj}.weight", fx + ("mlp", proj, "kernel"), True
+    yield "norm.weight", ("norm", "scale"), False
+
+
+# *ForCausalLM checkpoints prefix "model."; the LM head (tied or not) is not part of an encoder, and old
+# checkpoints carry stale rotary buffers.
+HF_NAMES = NameMap(lambda config: config.model_type, hf_names, DecoderModel, prefixes=("model.",),
+                   ignorable=re.compile(r"^lm_head\.weight$|(^|\.)rotary_emb\.inv_freq$"))

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import hf_io, interaction
+from infjax.models import interaction
+from infjax.models.hf import files as hf_files
 from infjax.models.pooling import l2_normalize, pool, pool_packed
 from infjax.models.registry import Family, by_model_type
 
@@ -66,13 +67,13 @@ def passage_params(params: dict):
 def checkpoint_path(name: str) -> str:
     """A local folder for `model.checkpoint`: the embedded MiniLM, a folder, or a hub download."""
     if name == EMBEDDED:
-        return hf_io.embedded_minilm_path()
-    return hf_io.resolve_checkpoint(name)
+        return hf_files.embedded_minilm_path()
+    return hf_files.resolve_checkpoint(name)
 
 
 def detect_family(path: str, requested: str = "auto") -> Family:
     """The backbone family of a checkpoint folder, from its config.json `model_type`."""
-    model_type = hf_io.load_hf_config(path).get("model_type", "bert")
+    model_type = hf_files.load_hf_config(path).get("model_type", "bert")
     family = by_model_type(model_type, f"{path}/config.json")
     if requested not in ("auto", family.name):
         raise ConfigError(f"config.model.family={requested!r} but {path}/config.json has model_type {model_type!r}")

@@ -1,15 +1,15 @@
 """Text generation with the Llama / Qwen2 decoders: a batched, jitted prefill, then KV-cache decoding.
 
-The forward pass is the one of `decoder.DecoderModel` (same parameter tree, same RoPE, norms and MLP from
-`layers`), written as a function over a key/value cache so that each new token costs one position:
+The forward pass is `decoder.DecoderModel`'s own blocks (`DecoderLayer`, applied with one layer's
+parameters at a time) given a key/value cache, so that each new token costs one position:
 
 - prompts arrive left-padded ([B, T] token ids and a 0/1 mask); each text's positions count from 0 at its
   first real token (as `transformers.generate` computes them from the attention mask), so a padded prompt
   generates what it would alone;
 - the cache holds keys and values [layers, B, T + max_new, kv_heads, head_dim]; the prefill fills the first
   T slots in one pass, then every step writes one slot and attends to the real slots written so far;
-- the layers run in a `lax.fori_loop` (one compiled layer) that updates the cache in place; the decoding loop is a `lax.while_loop` that stops
-  when every row has produced the end token;
+- the layers run in a `lax.fori_loop` (one compiled layer) that updates the cache in place; the decoding
+  loop is a `lax.while_loop` that stops when every row has produced the end token;
 - greedy (argmax) or temperature sampling, with one PRNG key per row, so a row's tokens do not depend on
   which other prompts share its batch.
 
@@ -24,19 +24,31 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 from safetensors import safe_open
 
-from infjax.models import hf_io
 from infjax.models import layers as L
-from infjax.models.decoder import DecoderConfig
+from infjax.models import registry
+from infjax.models.decoder import DecoderConfig, DecoderLayer, DecoderModel
+from infjax.models.hf import files as hf_files
 
 _NEG = -1e30
+
+
+def load(path: str) -> tuple[DecoderConfig, dict, jax.Array]:
+    """``(config, params with the layers stacked, LM head [H, V])`` of a Llama / Qwen2 checkpoint folder."""
+    source = os.path.join(path, "config.json")
+    family = registry.by_model_type(hf_files.load_hf_config(path).get("model_type", ""), source)
+    if family.module is not DecoderModel:
+        raise ValueError(f"{source}: a {family.name} model cannot generate text (Llama or Qwen2 can)")
+    module, params, _, _ = family.load(path, scan_layers=True)
+    return module.config, params, load_lm_head(path, params, module.config)
 
 
 def load_lm_head(path: str, params: dict, config: DecoderConfig) -> jax.Array:
     """The output projection [H, V]: ``lm_head.weight`` transposed if the checkpoint has one, else the
     token embedding transposed (tied embeddings)."""
-    for name in hf_io._safetensors_files(path):
+    for name in hf_files.safetensors_files(path):
         with safe_open(name, framework="numpy") as f:
             if "lm_head.weight" in f.keys():
                 return jnp.asarray(np.asarray(f.get_tensor("lm_head.weight"), np.float32).T)
@@ -46,69 +58,59 @@ def load_lm_head(path: str, params: dict, config: DecoderConfig) -> jax.Array:
     return jnp.asarray(params["embed_tokens"]["embedding"]).T
 
 
-def stacked(params: dict, config: DecoderConfig) -> dict:
-    """The parameter tree with the layers stacked under ``layers`` (what `generate` scans over)."""
-    return params if L.SCANNED in params else L.stack_layers(params, 0, config.num_hidden_layers)
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer [layers, B, S, K, D], and where the new positions go.
 
+    `DecoderAttention` calls `attend` with the new positions' queries, keys and values: they are written
+    in place at (layer, start) and the queries attend to the slots that `mask` [B, t, S] allows."""
 
-def _rms(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    return scale * (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps))
+    keys: jax.Array
+    values: jax.Array
+    layer: jax.Array
+    start: jax.Array
+    mask: jax.Array
 
-
-def _dense(p, x):
-    y = x @ p["kernel"]
-    return y + p["bias"] if "bias" in p else y
-
-
-def _layer(cfg: DecoderConfig, x, p, cache, layer, cos, sin, mask, start):
-    """Block `layer` on the new positions x [B, t, H]; writes their keys/values into the stacked caches
-    [layers, B, S, K, D] at (layer, start) in place, and attends to that layer's slots."""
-    b, t, _ = x.shape
-    n, k, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    k_all, v_all = cache
-    h = _rms(x, p["input_layernorm"]["scale"], cfg.rms_norm_eps)
-    a = p["self_attn"]
-    q = L.apply_rope(_dense(a["q_proj"], h).reshape(b, t, n, d), cos, sin)
-    key = L.apply_rope(_dense(a["k_proj"], h).reshape(b, t, k, d), cos, sin)
-    value = _dense(a["v_proj"], h).reshape(b, t, k, d)
-    k_all = jax.lax.dynamic_update_slice(k_all, key[None].astype(k_all.dtype), (layer, 0, start, 0, 0))
-    v_all = jax.lax.dynamic_update_slice(v_all, value[None].astype(v_all.dtype), (layer, 0, start, 0, 0))
-    k_cache = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=False)
-    v_cache = jax.lax.dynamic_index_in_dim(v_all, layer, keepdims=False)
-    q = q.reshape(b, t, k, n // k, d)          # query head i uses kv head i // (n // k) (HF repeat_kv)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(d)
-    scores = jnp.where(mask[:, None, None], scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1)
-    ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32)).reshape(b, t, n * d)
-    x = x + _dense(a["o_proj"], ctx.astype(x.dtype))
-    h = _rms(x, p["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-    m = p["mlp"]
-    x = x + _dense(m["down_proj"], L.gated(L.ACTIVATIONS[cfg.hidden_act], _dense(m["gate_proj"], h),
-                                           _dense(m["up_proj"], h)))
-    return x, (k_all, v_all)
+    def attend(self, q, k, v):
+        b, t, n, d = q.shape
+        kv_heads = k.shape[2]
+        at = (self.layer, 0, self.start, 0, 0)
+        keys = jax.lax.dynamic_update_slice(self.keys, k[None].astype(self.keys.dtype), at)
+        values = jax.lax.dynamic_update_slice(self.values, v[None].astype(self.values.dtype), at)
+        k_cache = jax.lax.dynamic_index_in_dim(keys, self.layer, keepdims=False)
+        v_cache = jax.lax.dynamic_index_in_dim(values, self.layer, keepdims=False)
+        q = q.reshape(b, t, kv_heads, n // kv_heads, d)      # query head i uses kv head i // (n // K) (HF repeat_kv)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k_cache, preferred_element_type=jnp.float32) / np.sqrt(d)
+        scores = jnp.where(self.mask[:, None, None], scores, _NEG)
+        probs = jax.nn.softmax(scores, axis=-1)
+        ctx = jnp.einsum("bkgts,bskd->btkgd", probs, v_cache.astype(jnp.float32)).reshape(b, t, n, d)
+        return ctx, self.replace(keys=keys, values=values)
 
 
 def _forward(cfg: DecoderConfig, params, head, ids, positions, key_valid, cache, start):
-    """Logits of the last new position [B, V] and the updated cache, for new tokens ids [B, t].
+    """Logits of the last new position [B, V] and the updated cache (keys, values), for new tokens ids [B, t].
 
     The layers run in a `fori_loop` that carries the whole cache, so each layer's keys and values are
     written in place (a scan over the cache as input and output would copy it at every token)."""
     t = ids.shape[1]
+    dtype = params["embed_tokens"]["embedding"].dtype
     x = params["embed_tokens"]["embedding"][ids]
     cos, sin = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, cfg.rope))
     q_idx = start + jnp.arange(t)
     k_idx = jnp.arange(key_valid.shape[1])
     mask = key_valid[:, None, :] & (k_idx[None, None, :] <= q_idx[None, :, None])      # [B, t, S]
+    block = DecoderLayer(cfg, dtype=dtype, param_dtype=dtype)
     stacked_layers = params[L.SCANNED]
 
     def body(layer, carry):
-        x, cache = carry
+        x, (keys, values) = carry
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, layer, keepdims=False), stacked_layers)
-        return _layer(cfg, x, p, cache, layer, cos, sin, mask, start)
+        x, kv = block.apply({"params": p}, x, cos, sin, None, KVCache(keys, values, layer, start, mask))
+        return x, (kv.keys, kv.values)
 
     x, cache = jax.lax.fori_loop(0, cfg.num_hidden_layers, body, (x, cache))
-    x = _rms(x[:, -1], params["norm"]["scale"], cfg.rms_norm_eps)
+    norm = L.RMSNorm(cfg.rms_norm_eps, dtype=dtype, param_dtype=dtype)
+    x = norm.apply({"params": params["norm"]}, x[:, -1])
     return jnp.dot(x, head, preferred_element_type=jnp.float32), cache
 
 
@@ -123,7 +125,7 @@ def _pick(logits, keys, step, temperature):
 def generate(config: DecoderConfig, params: dict, head: jax.Array, ids: jax.Array, mask: jax.Array, *,
              max_new_tokens: int, temperature: float = 0.0, keys: jax.Array | None = None,
              eos_id: int = -1, pad_id: int = 0, stop_mask: jax.Array | None = None) -> jax.Array:
-    """New tokens [B, max_new_tokens] for left-padded prompts ids/mask [B, T] (`stacked` params).
+    """New tokens [B, max_new_tokens] for left-padded prompts ids/mask [B, T] (params as `load` gives them).
 
     After a row's end token (`eos_id`; -1 for none) or a token that `stop_mask` [V] (bool) marks (kept in
     the output) its remaining tokens are `pad_id`. `keys` [B, 2] (one PRNG key per row) is needed when `temperature` > 0.

@@ -26,7 +26,8 @@ becomes a scanned boolean that selects the mask and the rotary tables.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+import re
+from typing import Any, Iterator, Mapping
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ import numpy as np
 
 from infjax.models import layers as L
 from infjax.models.attention import attention, segment_positions
+from infjax.models.hf.names import NameMap
 
 ARCHITECTURE = "ModernBertModel"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -250,3 +252,26 @@ class ModernBertModel(nn.Module):
             x = L.run_layers(ModernBertLayer, layer_kwargs, x, is_global[1:], shared, first=1,
                              remat=self.remat, scan=self.scan_layers, select=_select)
         return L.layer_norm(cfg.norm_eps, "final_norm", **kw)(x)
+
+
+def hf_names(config: ModernBertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:
+    """``(hf_name, flax_path, transpose)`` for every tensor of HF ``ModernBertModel`` (``Wqkv`` and ``Wi``
+    stay fused; layer 0 has no attention norm)."""
+    yield "embeddings.tok_embeddings.weight", ("embeddings", "tok_embeddings", "embedding"), False
+    yield "embeddings.norm.weight", ("embeddings", "norm", "scale"), False
+    for i in range(config.num_hidden_layers):
+        hf, fx = f"layers.{i}.", (f"layer_{i}",)
+        if i > 0:
+            yield hf + "attn_norm.weight", fx + ("attn_norm", "scale"), False
+        yield hf + "attn.Wqkv.weight", fx + ("attn", "Wqkv", "kernel"), True
+        yield hf + "attn.Wo.weight", fx + ("attn", "Wo", "kernel"), True
+        yield hf + "mlp_norm.weight", fx + ("mlp_norm", "scale"), False
+        yield hf + "mlp.Wi.weight", fx + ("mlp", "Wi", "kernel"), True
+        yield hf + "mlp.Wo.weight", fx + ("mlp", "Wo", "kernel"), True
+    yield "final_norm.weight", ("final_norm", "scale"), False
+
+
+# ModernBertForMaskedLM (answerdotai/ModernBERT-base) prefixes "model."; its MLM head and decoder and any
+# classifier head are not part of the encoder. Layers 1..N-1 are the scanned ones.
+HF_NAMES = NameMap("ModernBERT", hf_names, ModernBertModel, prefixes=("model.",),
+                   ignorable=re.compile(r"^(head|decoder|classifier)\."), scanned_from=1)

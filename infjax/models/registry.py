@@ -1,24 +1,22 @@
 """The backbone families: everything infjax knows about one, in one record.
 
 Adding a family is a model file (Flax module, config parsed from HF's
-config.json, HF name map for import and export) plus one `Family` entry
-here. Everything else (encoder loading, partition rules, export, default
-pooling, padding side, config validation) reads this table.
+config.json, `HF_NAMES`: its Hugging Face name map) plus one `Family` entry
+here. Everything else (loading, partition rules, export, default pooling,
+padding side, config validation) reads this table.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Any, Callable
+import os
+from typing import Any
 
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from infjax.models import hf_io
-from infjax.models.bert import BertConfig, BertModel
-from infjax.models.decoder import DecoderConfig, DecoderModel
-from infjax.models.hf_decoder import decoder_params_to_hf, load_decoder
-from infjax.models.hf_modernbert import load_modernbert, modernbert_params_to_hf
-from infjax.models.modernbert import ModernBertConfig, ModernBertModel
+from infjax.models import bert, decoder, modernbert
+from infjax.models.hf import files as hf_files
+from infjax.models.hf.names import NameMap, abstract_params
 
 # Partition specs name the mesh axes (training/mesh.py): kernels are [in, out].
 IN_OUT = P("fsdp", "tensor")       # x @ W: the output features split over tensor
@@ -33,28 +31,39 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]       # config.json `model_type` values this family reads
-    module: type                       # its Flax module class
-    # (path, dtype, *, remat, scan_layers) -> (flax module, params, hf config dict, local path)
-    load: Callable[..., tuple[Any, dict, dict, str]]
-    # (params, hf config dict, source for messages) -> {HF tensor name: float32 array} of the bare model
-    to_hf: Callable[[Any, dict, str], dict]
+    config: type                       # its config class: .from_hf_dict(config.json dict, source)
+    module: type                       # its Flax module class: (config, dtype=, remat=, scan_layers=)
+    names: NameMap                     # HF tensor names <-> its parameter tree
     architecture: str                  # the bare model's HF class, written to an export's config.json
     padding_side: str                  # right (encoders) | left (decoders: the last token is the text's last)
     default_pooling: str               # what model.pooling=auto and an HF folder without a choice use
     # ordered (regex over "a/b/kernel" paths, spec of the trailing dims): the first match shards a parameter
     partition_rules: tuple[tuple[str, P], ...]
 
+    def load(self, name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
+             weights: bool = True) -> tuple[Any, dict, dict, str]:
+        """Resolve, read and map a checkpoint of this family: ``(module, params, hf_config_dict, path)``.
 
-def _bert_to_hf(params, hf_config, source):
-    return hf_io.bert_params_to_hf(params, BertConfig.from_hf_dict(hf_config, source))
+        ``module`` computes in ``dtype``; ``params`` are host float32 arrays, stacked under ``layers``
+        with ``scan_layers``. Without ``weights`` only config.json is read and ``params`` are the tree's
+        ShapeDtypeStructs.
+        """
+        path = hf_files.resolve_checkpoint(name_or_path)
+        hf_config = hf_files.load_hf_config(path)
+        source = os.path.join(path, "config.json")
+        model_type = hf_config.get("model_type", self.model_types[0])
+        if model_type not in self.model_types:
+            raise ValueError(f"{source}: model_type={model_type!r}, expected {' or '.join(map(repr, self.model_types))}")
+        config = self.config.from_hf_dict(hf_config, source=source)
+        module = self.module(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
+        if not weights:
+            return module, abstract_params(module), hf_config, path
+        params = self.names.from_hf(hf_files.read_safetensors(path), config, scan_layers)
+        return module, params, hf_config, path
 
-
-def _modernbert_to_hf(params, hf_config, source):
-    return modernbert_params_to_hf(params, ModernBertConfig.from_hf_dict(hf_config, source))
-
-
-def _decoder_to_hf(params, hf_config, source):
-    return decoder_params_to_hf(params, DecoderConfig.from_hf_dict(hf_config, source))
+    def to_hf(self, params, hf_config: dict, source: str = "config.json", prefix: str = "") -> dict:
+        """{HF tensor name: float32 array} of the bare model, from a parameter tree (unrolled or scanned)."""
+        return self.names.to_hf(params, self.config.from_hf_dict(hf_config, source), prefix)
 
 
 BERT_RULES = (
@@ -87,13 +96,14 @@ DECODER_RULES = (
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("bert", ("bert",), BertModel, hf_io.load_bert, _bert_to_hf, "BertModel", "right", "mean", BERT_RULES),
-    Family("modernbert", ("modernbert",), ModernBertModel, load_modernbert, _modernbert_to_hf, "ModernBertModel", "right", "mean",
-           MODERNBERT_RULES),
-    Family("llama", ("llama",), DecoderModel, functools.partial(load_decoder, model_type="llama"), _decoder_to_hf,
-           "LlamaModel", "left", "last", DECODER_RULES),
-    Family("qwen2", ("qwen2",), DecoderModel, functools.partial(load_decoder, model_type="qwen2"), _decoder_to_hf,
-           "Qwen2Model", "left", "last", DECODER_RULES),
+    Family("bert", ("bert",), bert.BertConfig, bert.BertModel, bert.HF_NAMES, "BertModel", "right", "mean",
+           BERT_RULES),
+    Family("modernbert", ("modernbert",), modernbert.ModernBertConfig, modernbert.ModernBertModel,
+           modernbert.HF_NAMES, "ModernBertModel", "right", "mean", MODERNBERT_RULES),
+    Family("llama", ("llama",), decoder.DecoderConfig, decoder.DecoderModel, decoder.HF_NAMES, "LlamaModel",
+           "left", "last", DECODER_RULES),
+    Family("qwen2", ("qwen2",), decoder.DecoderConfig, decoder.DecoderModel, decoder.HF_NAMES, "Qwen2Model",
+           "left", "last", DECODER_RULES),
 )}
 
 

@@ -19,7 +19,7 @@ from infjax.data import batches, synthetic
 from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
-from infjax.models import hf_io
+from infjax.models.hf import files as hf_files
 from infjax.models.encoder import Encoder
 from infjax.training import mesh as mesh_lib
 from infjax.training import step as step_lib
@@ -74,7 +74,7 @@ class BatchSetup:
 def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: str,
                      objective: losses.Objective, num_devices: int | None = None) -> BatchSetup:
     """Tokenizer, text format, batch plan and builder; with data.packing, the packed capacities too."""
-    max_positions = hf_io.load_hf_config(model_path).get("max_position_embeddings")
+    max_positions = hf_files.load_hf_config(model_path).get("max_position_embeddings")
     for key in ("query_max_len", "passage_max_len"):
         if max_positions and config.data[key] > max_positions:
             raise ConfigError(f"config.data.{key}={config.data[key]} exceeds the model's max_position_embeddings="

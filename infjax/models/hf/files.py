@@ -1,28 +1,22 @@
-"""Hugging Face checkpoint I/O for the infjax encoders.
+"""Hugging Face checkpoint files: finding a checkpoint, reading and writing them.
 
 Locates checkpoints (local folder, Hub id, or the embedded all-MiniLM-L6-v2
-package), reads ``config.json`` and safetensors weights (never pickles), and
-maps tensor names between Hugging Face ``BertModel`` and the Flax parameter
-tree of :class:`infjax.models.bert.BertModel`. The generic name-map helpers
-at the end (:func:`params_from_hf`, :func:`params_to_hf`) serve the other
-families' converters: :mod:`infjax.models.hf_modernbert` and
-:mod:`infjax.models.hf_decoder` (Llama, Qwen2).
+package), reads ``config.json`` and safetensors weights (never pickles) and
+writes safetensors files (sharded, with an index). What the tensors mean is
+the families' business: each model file has its name map
+(:mod:`infjax.models.hf.names` applies it).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
-import re
 import struct
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
-import jax.numpy as jnp
 import numpy as np
 
 from infjax.errors import UserError
-from infjax.models import layers as L
-from infjax.models.bert import BertConfig, BertModel
 
 # Files a checkpoint folder needs: architecture, weights, tokenizer and the
 # sentence-transformers pooling description.
@@ -47,11 +41,6 @@ HUB_ALLOW_PATTERNS = [
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-
-# HF tensors that carry no information for the encoder (pooler / MLM heads,
-# the position_ids buffer).
-_IGNORABLE = re.compile(r"^(pooler\.|cls\.|embeddings\.position_ids$)")
-_HF_PREFIX = "bert."
 
 
 class CheckpointNotFound(UserError, FileNotFoundError):
@@ -202,7 +191,7 @@ def _to_float32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _safetensors_files(folder: str) -> list[str]:
+def safetensors_files(folder: str) -> list[str]:
     """Weight files of a checkpoint folder, sharded or not; refuses pickles."""
     index = os.path.join(folder, SAFETENSORS_INDEX)
     if os.path.isfile(index):
@@ -239,7 +228,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     Floating tensors (fp32/fp16/bf16) are returned as float32; integer
     buffers keep their dtype.
     """
-    files = [path] if os.path.isfile(path) else _safetensors_files(path)
+    files = [path] if os.path.isfile(path) else safetensors_files(path)
     tensors: dict[str, np.ndarray] = {}
     for file in files:
         for name, value in _read_safetensors_file(file).items():
@@ -304,200 +293,3 @@ def save_safetensors(folder: str, tensors: Mapping[str, np.ndarray], max_shard_s
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         f.write("\n")
     return files + [SAFETENSORS_INDEX]
-
-
-# --------------------------------------------------------------------------
-# Name map between HF BertModel and the Flax parameter tree
-# --------------------------------------------------------------------------
-
-
-def bert_name_map(config: BertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:
-    """Yield ``(hf_name, flax_param_path, transpose)`` for every encoder tensor.
-
-    ``transpose`` marks Linear weights (HF ``[out, in]`` vs Flax ``[in, out]``).
-    """
-    emb = ("embeddings",)
-    yield "embeddings.word_embeddings.weight", emb + ("word_embeddings", "embedding"), False
-    yield "embeddings.position_embeddings.weight", emb + ("position_embeddings", "embedding"), False
-    yield "embeddings.token_type_embeddings.weight", emb + ("token_type_embeddings", "embedding"), False
-    yield "embeddings.LayerNorm.weight", emb + ("LayerNorm", "scale"), False
-    yield "embeddings.LayerNorm.bias", emb + ("LayerNorm", "bias"), False
-    for i in range(config.num_hidden_layers):
-        hf = f"encoder.layer.{i}."
-        fx = (f"layer_{i}",)
-        linears = {
-            "attention.self.query": fx + ("attention", "query"),
-            "attention.self.key": fx + ("attention", "key"),
-            "attention.self.value": fx + ("attention", "value"),
-            "attention.output.dense": fx + ("attention", "output"),
-            "intermediate.dense": fx + ("intermediate",),
-            "output.dense": fx + ("output",),
-        }
-        for hf_mod, fx_mod in linears.items():
-            yield hf + hf_mod + ".weight", fx_mod + ("kernel",), True
-            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
-        norms = {
-            "attention.output.LayerNorm": fx + ("attention_LayerNorm",),
-            "output.LayerNorm": fx + ("output_LayerNorm",),
-        }
-        for hf_mod, fx_mod in norms.items():
-            yield hf + hf_mod + ".weight", fx_mod + ("scale",), False
-            yield hf + hf_mod + ".bias", fx_mod + ("bias",), False
-
-
-def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
-    """``tree[p0][p1]...[pn] = value``, creating intermediate dicts."""
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
-
-
-def _get_path(tree: Mapping, path: tuple[str, ...]) -> Any:
-    """``tree[p0][p1]...[pn]``, or KeyError naming the full path."""
-    node = tree
-    for key in path:
-        if not isinstance(node, Mapping) or key not in node:
-            raise KeyError("/".join(path))
-        node = node[key]
-    return node
-
-
-def bert_params_from_hf(tensors: Mapping[str, np.ndarray], config: BertConfig) -> dict:
-    """Map HF ``BertModel`` tensors to the unrolled Flax parameter tree (host float32 numpy).
-
-    Accepts names with or without a leading ``bert.``. Raises ``ValueError``
-    listing missing tensors, unexpected tensors (``pooler.*``, ``cls.*`` and
-    ``embeddings.position_ids`` are ignored) and shape mismatches.
-    """
-    return params_from_hf(tensors, bert_name_map(config), module_param_shapes(BertModel(config)), what="BERT",
-                          prefixes=(_HF_PREFIX,), ignorable=_IGNORABLE)
-
-
-def bert_params_to_hf(params: Mapping, config: BertConfig, prefix: str = "") -> dict[str, np.ndarray]:
-    """Inverse of :func:`bert_params_from_hf`: Flax tree (unrolled or scanned) -> HF ``BertModel`` names.
-
-    Returns contiguous host float32 numpy arrays (ready for safetensors),
-    named with ``prefix`` prepended (``""`` for ``BertModel``).
-    """
-    return params_to_hf(L.unstack_layers(params, 0), bert_name_map(config), prefix)
-
-
-def load_bert(name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False,
-              scan_layers: bool = False, weights: bool = True) -> tuple[BertModel, dict, dict, str]:
-    """Resolve, read and map a BERT checkpoint.
-
-    Returns ``(module, params, hf_config_dict, path)`` where ``module`` computes
-    in ``dtype`` (float32 by default) and ``params`` are host float32 arrays.
-    With ``scan_layers`` the parameters come stacked under ``layers`` (one
-    leading layer axis), the layout the scanned module expects. Without
-    ``weights`` only config.json is read and ``params`` are the tree's
-    ShapeDtypeStructs (:func:`abstract_params`).
-    """
-    path = resolve_checkpoint(name_or_path)
-    hf_config = load_hf_config(path)
-    config = BertConfig.from_hf_dict(hf_config, source=os.path.join(path, "config.json"))
-    module = BertModel(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
-    if not weights:
-        return module, abstract_params(module), hf_config, path
-    params = bert_params_from_hf(read_safetensors(path), config)
-    if scan_layers:
-        params = L.stack_layers(params, 0, config.num_hidden_layers)
-    return module, params, hf_config, path
-
-
-# --------------------------------------------------------------------------
-# Generic name-map conversion (used by the ModernBERT / Llama / Qwen2 converters)
-# --------------------------------------------------------------------------
-
-
-def abstract_params(module, seq_len: int = 1) -> dict:
-    """The parameter tree of ``module`` (called as ``module(ids, mask)``) as ShapeDtypeStructs, from an
-    abstract init: nothing is read or allocated. Same layout as the loaders' (scanned or not)."""
-    import jax
-
-    ids = jnp.zeros((1, seq_len), jnp.int32)
-    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))["params"]
-
-
-def module_param_shapes(module, seq_len: int = 1) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Flax parameter shapes of ``module`` (called as ``module(ids, mask)``), from an abstract init."""
-    import jax
-
-    flat = jax.tree_util.tree_flatten_with_path(abstract_params(module, seq_len))[0]
-    return {tuple(k.key for k in path): tuple(leaf.shape) for path, leaf in flat}
-
-
-def strip_prefixes(tensors: Mapping[str, Any], prefixes: tuple[str, ...]) -> dict[str, Any]:
-    """Drop the first matching prefix (e.g. ``model.`` of ``*ForCausalLM`` checkpoints); refuse duplicates."""
-    out: dict[str, Any] = {}
-    for name, value in tensors.items():
-        short = next((name[len(p):] for p in prefixes if name.startswith(p)), name)
-        if short in out:
-            raise ValueError(f"tensor {short!r} appears both with and without a prefix {list(prefixes)}")
-        out[short] = value
-    return out
-
-
-def params_from_hf(tensors: Mapping[str, np.ndarray], name_map, shapes: Mapping[tuple[str, ...], tuple[int, ...]],
-                   *, what: str, prefixes: tuple[str, ...] = (), ignorable: re.Pattern | None = None) -> dict:
-    """Map HF tensors to an (unrolled) Flax parameter tree through ``name_map``.
-
-    ``name_map`` yields ``(hf_name, flax_path, transpose)``; a transposed
-    tensor is a Linear weight (HF ``[out, in]``, Flax ``[in, out]``). Names may
-    carry one of ``prefixes``. Raises ``ValueError`` naming missing tensors,
-    unexpected tensors (except those matching ``ignorable``: LM heads,
-    buffers) and shape mismatches. Returns host float32 numpy arrays.
-    """
-    tensors = strip_prefixes(tensors, prefixes)
-    params: dict = {}
-    known, missing, bad_shape = set(), [], []
-    for hf_name, path, transpose in name_map:
-        known.add(hf_name)
-        if hf_name not in tensors:
-            missing.append(hf_name)
-            continue
-        value = np.asarray(tensors[hf_name], dtype=np.float32)
-        value = np.ascontiguousarray(value.T) if transpose else value
-        want = shapes.get(path)
-        if value.shape != want:
-            bad_shape.append(f"{hf_name}: expected {tuple(want[::-1]) if transpose and want else want}, "
-                             f"got {tuple(np.shape(tensors[hf_name]))}")
-            continue
-        _set_path(params, path, value)
-    unexpected = sorted(n for n in tensors if n not in known and not (ignorable and ignorable.search(n)))
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {unexpected}")
-    if bad_shape:
-        problems.append(f"shape mismatches: {bad_shape}")
-    if problems:
-        raise ValueError(f"checkpoint does not match the {what} config; " + "; ".join(problems))
-    return params
-
-
-def params_to_hf(params: Mapping, name_map, prefix: str = "") -> dict[str, np.ndarray]:
-    """Inverse of :func:`params_from_hf`: unrolled Flax tree -> float32 numpy by HF name.
-
-    Host float32 parameters are not copied: transposed kernels are views (not contiguous), so that an
-    export holds the parameters once; writers make one tensor contiguous at a time."""
-    import jax
-
-    out: dict[str, np.ndarray] = {}
-    missing, mapped = [], set()
-    for hf_name, path, transpose in name_map:
-        mapped.add(path)
-        try:
-            value = np.asarray(_get_path(params, path), dtype=np.float32)
-        except KeyError:
-            missing.append("/".join(path))
-            continue
-        out[prefix + hf_name] = value.T if transpose else value
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    extra = sorted("/".join(str(k.key) for k in p) for p, _ in leaves if tuple(k.key for k in p) not in mapped)
-    if missing or extra:
-        raise ValueError("parameter tree does not match the name map; "
-                         + "; ".join(s for s in (f"missing: {missing}" if missing else "",
-                                                 f"unexpected: {extra}" if extra else "") if s))
-    return out
