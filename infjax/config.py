@@ -91,7 +91,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.model.interaction = "concat"     # concat: iq = g(template(I, Q)) (Interaction I) | cross_attention:
                                        # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
     c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
-    c.model.scan_layers = False        # run layers with nn.scan (one compiled layer)
+    c.model.scan_layers = False        # run layers with nn.scan (one compiled layer); use it with fsdp for big
+                                       # models: unrolled, XLA gathers every layer's kernels at once
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)

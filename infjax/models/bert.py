@@ -227,6 +227,7 @@ class BertModel(nn.Module):
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan_layers: bool = False
+    activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, deterministic: bool = True):
@@ -241,7 +242,7 @@ class BertModel(nn.Module):
         layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
         return L.run_layers(BertLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
                             (attention_mask,), first=0,
-                            remat=self.remat, scan=self.scan_layers)
+                            remat=self.remat, scan=self.scan_layers, sharding=self.activation_sharding)
 
 
 def hf_names(config: BertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:

@@ -190,6 +190,7 @@ class DecoderModel(nn.Module):
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan_layers: bool = False
+    activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, position_ids=None):
@@ -204,7 +205,7 @@ class DecoderModel(nn.Module):
         layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype)
         x = L.run_layers(DecoderLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
                          (cos, sin, attention_mask), first=0,
-                         remat=self.remat, scan=self.scan_layers)
+                         remat=self.remat, scan=self.scan_layers, sharding=self.activation_sharding)
         return L.RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
 
 

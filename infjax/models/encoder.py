@@ -31,6 +31,10 @@ class Encoder:
     padding_side: str = "right"   # decoders pad on the left and pool the last token
     family: str = "bert"       # its models.registry entry (partition rules, export)
 
+    def with_activation_sharding(self, sharding) -> "Encoder":
+        """The same encoder with its backbone's between-layer activations held at `sharding`."""
+        return dataclasses.replace(self, module=self.module.clone(activation_sharding=sharding))
+
     def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
         """Float32 token states [N, L, H] of token ids [N, L]."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None

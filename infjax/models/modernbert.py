@@ -232,6 +232,7 @@ class ModernBertModel(nn.Module):
     param_dtype: Any = jnp.float32
     remat: bool = False
     scan_layers: bool = False
+    activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, deterministic: bool = True):
@@ -247,10 +248,11 @@ class ModernBertModel(nn.Module):
         is_global = [kind == "full_attention" for kind in cfg.layer_types]
         layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
         x = L.run_layers(ModernBertLayer, {**layer_kwargs, "first": True}, x, is_global[:1], shared,
-                         first=0, remat=self.remat, scan=False, select=_select)
+                         first=0, remat=self.remat, scan=False, select=_select, sharding=self.activation_sharding)
         if cfg.num_hidden_layers > 1:
             x = L.run_layers(ModernBertLayer, layer_kwargs, x, is_global[1:], shared, first=1,
-                             remat=self.remat, scan=self.scan_layers, select=_select)
+                             remat=self.remat, scan=self.scan_layers, select=_select,
+                             sharding=self.activation_sharding)
         return L.layer_norm(cfg.norm_eps, "final_norm", **kw)(x)
 
 

@@ -133,7 +133,11 @@ def total_steps(config, plan: batches.BatchPlan) -> int:
 
 
 def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding):
-    """The jitted train step (explicit shardings, donated state), with gradient caching per config."""
+    """The jitted train step (explicit shardings, donated state), with gradient caching per config.
+
+    The encoder's activations keep their rows split over the batch axes layer by layer (see
+    `layers.run_layers`), so fsdp gathers kernels rather than every device encoding every row."""
+    encoder = encoder.with_activation_sharding(mesh_lib.batch_sharding(mesh))
     return step_lib.jit_train_step(
         step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout,
                                  config.train.chunk_size, mesh), mesh, state_sharding)
