@@ -8,7 +8,8 @@ from infjax.data import packing
 from infjax.models import attention as A
 from infjax.models.encoder import Encoder
 from infjax.models.registry import FAMILIES
-from tests.test_backbones import VOCAB, tiny_checkpoint
+from tests.helpers.backbones import VOCAB, tiny_checkpoint
+from tests.helpers.configs import small_config
 
 # Lengths of 8 texts (<= 16 tokens each): 2 shards of 4, packed into rows of 24 tokens. ModernBERT's tiny
 # config has a local half window of 4, so packs (and single texts) are longer than the window.
@@ -170,7 +171,6 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     computed on one device (Interaction I with instruction negatives; Interaction II)."""
     from infjax.models.encoder import load_encoder
     from infjax.training import embed, mesh as mesh_lib, setup as setup_lib
-    from tests.test_train import small_config
 
     config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
                                          "data.query_max_len": 96, "data.passage_max_len": 96})
@@ -205,7 +205,6 @@ def config_lib_override(config, values):
 def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     from infjax.models.encoder import load_encoder
     from infjax.training import setup as setup_lib
-    from tests.test_train import small_config
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, _, path = load_encoder(config.model)
@@ -303,7 +302,6 @@ def test_a_checkpoint_from_before_packing_resumes():
     import json
 
     from infjax import config as config_lib
-    from tests.test_train import small_config
 
     current = json.loads(small_config().to_json_best_effort())
     old = json.loads(small_config().to_json_best_effort())
