@@ -436,7 +436,7 @@ def test_a_hub_id_that_cannot_be_loaded_is_named(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------
 # The local backend on a tiny random Llama with a character-level tokenizer (the real SmolLM2 path is in
-# tests/test_generation.py and the offline default in the README)
+# tests/models/test_generation.py and the offline default in the README)
 # ---------------------------------------------------------------------------------------------------------
 
 def tiny_chat_model(folder):
