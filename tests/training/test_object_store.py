@@ -35,8 +35,8 @@ def gcs():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers", "gcs_emulator.py"), str(port), BUCKET],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers", "gcs_emulator.py"), str(port),
+                               BUCKET], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while True:
         try:
