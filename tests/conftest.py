@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
+from tests.helpers.configs import small_config  # noqa: E402  (imports JAX: after the environment above)
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take minutes (deselect with -m 'not slow')")
@@ -28,7 +30,6 @@ def four_step_run(tmp_path_factory):
 
     from infjax import train
     from infjax.data import synthetic
-    from tests.test_train import small_config
 
     root = tmp_path_factory.mktemp("four_step_run")
     data = str(root / "msmarco.jsonl")
@@ -43,9 +44,3 @@ def four_step_run(tmp_path_factory):
                              "eval.synthetic": False})
     return workdir, train.run(config, workdir), config, data
 
-
-def changed(config, **overrides):
-    """A copy of `config` with dotted-key overrides ("train.steps": 5)."""
-    from infjax import config as config_lib
-
-    return config_lib.override(config.copy_and_resolve_references(), overrides)

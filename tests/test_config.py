@@ -9,8 +9,7 @@ import pytest
 
 from infjax import config as config_lib
 from infjax.losses import OBJECTIVES
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT
 
 
 def load_config_file(name, arg=None):

@@ -8,68 +8,11 @@ import pytest
 from infjax import evaluate
 from infjax.evaluation import tasks as eval_tasks, trec
 from infjax.evaluation import datasets as eval_data
-from infjax.data import synthetic
 from infjax.data.tokenize import TextFormat
 from infjax.evaluation.datasets import DataError
 from infjax.evaluation.metrics import trec_metrics
 from infjax.inference.search import search
-
-# --------------------------------------------------------------------------
-# Fixtures: small datasets written in the real hub / BEIR layouts
-# --------------------------------------------------------------------------
-
-SPLIT = synthetic.make_eval_split(num_queries=3, seed=7, pool_size=8)
-
-
-def _jsonl(path, rows):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-
-
-def _tsv(path, rows, header=("query-id", "corpus-id", "score")):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\t".join(header) + "\n")
-        for r in rows:
-            f.write("\t".join(str(x) for x in r) + "\n")
-
-
-def write_followir(folder, split=SPLIT):
-    """jhu-clsp/*-instructions layout: corpus, queries, qrels_og/test, qrels_changed/test, top_ranked."""
-    _jsonl(os.path.join(folder, "corpus.jsonl"), [{"_id": d, "title": "", "text": t} for d, t in split.corpus.items()])
-    _jsonl(os.path.join(folder, "queries.jsonl"),
-           [{"_id": q, "text": split.queries[q], "instruction_og": split.instructions_og[q],
-             "instruction_changed": split.instructions_changed[q], "keywords": "", "short_query": ""}
-            for q in split.queries])
-    _jsonl(os.path.join(folder, "qrels_og", "test.jsonl"),
-           [{"query-id": q, "corpus-id": d, "score": g} for q, docs in split.qrels_og.items() for d, g in docs.items()])
-    _tsv(os.path.join(folder, "qrels_changed", "test.tsv"),       # the hub has both .jsonl and .tsv
-         [(q, d, g) for q, docs in split.qrels_changed.items() for d, g in docs.items()])
-    _jsonl(os.path.join(folder, "top_ranked.jsonl"),
-           [{"qid": q, "pid": d} for q, pool in split.candidates.items() for d in pool])
-    return folder
-
-
-def write_beir(folder):
-    """corpus.jsonl, queries.jsonl, qrels/test.tsv from the synthetic split (relevant = og-relevant)."""
-    _jsonl(os.path.join(folder, "corpus.jsonl"),
-           [{"_id": d, "title": "Doc" if i % 2 else "", "text": t} for i, (d, t) in enumerate(SPLIT.corpus.items())])
-    _jsonl(os.path.join(folder, "queries.jsonl"), [{"_id": q, "text": t} for q, t in SPLIT.queries.items()])
-    _tsv(os.path.join(folder, "qrels", "test.tsv"),
-         [(q, d, g) for q, docs in SPLIT.qrels_og.items() for d, g in docs.items() if g > 0])
-    return folder
-
-
-def fake_embed(texts):
-    """A cheap deterministic text embedder (hashed bag of words, L2-normalized) for loader/plumbing tests."""
-    out = np.zeros((len(texts), 64), np.float32)
-    for i, t in enumerate(texts):
-        for w in t.lower().split():
-            out[i, hash(w) % 64] += 1.0
-    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
-
+from tests.helpers.evaluation import SPLIT, _jsonl, fake_embed, write_beir, write_followir
 
 # --------------------------------------------------------------------------
 # Metrics and search

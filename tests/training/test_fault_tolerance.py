@@ -20,10 +20,9 @@ from infjax import config as config_lib, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.training import checkpoint, embed as embed_lib  # noqa: E402
 from infjax.training.restore import load_run  # noqa: E402
-from tests.conftest import changed  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
+from tests.helpers.configs import changed, small_config  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False", "--config.eval.canary=",
              "--config.data.query_max_len=32", "--config.data.passage_max_len=32",
              "--config.loss.instruction_negatives=2", "--config.train.batch_size=8", "--config.log_every=1",

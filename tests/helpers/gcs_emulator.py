@@ -1,4 +1,4 @@
-"""`python tests/gcs_emulator.py PORT BUCKET`: gcp-storage-emulator serving the GCS JSON API on 127.0.0.1:PORT,
+"""`python tests/helpers/gcs_emulator.py PORT BUCKET`: gcp-storage-emulator serving the GCS JSON API on 127.0.0.1:PORT,
 in memory, with BUCKET created.
 
 One fix to the emulator, on the server side: real GCS sends an object's generation with its content

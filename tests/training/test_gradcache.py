@@ -13,7 +13,7 @@ from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import gradcache, mesh as mesh_lib, state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
+from tests.helpers.configs import small_config  # noqa: E402
 
 
 def test_chunks_are_strided_and_put_back_in_order():

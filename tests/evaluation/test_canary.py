@@ -9,6 +9,7 @@ import pytest
 
 from infjax.evaluation import canary, datasets
 from infjax.evaluation.canary import CanaryWatch
+from tests.helpers.configs import small_config
 
 
 def test_lee_task_matches_the_human_ratings_file():
@@ -178,7 +179,6 @@ def test_watch_flags_drops_since_the_start_and_since_the_last_evaluation():
 @pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 def test_trainer_evaluates_canaries_and_warns_on_drops(tmp_path, fake_package):
     from infjax import train
-    from tests.test_train import small_config
 
     specs = f"lee:distractors=0,docstrings:packages={fake_package}"
     config = small_config(**{"train.steps": 3, "eval.every": 1, "eval.canary": specs, "eval.canary_margin": 0.0,

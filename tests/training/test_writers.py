@@ -18,9 +18,8 @@ from infjax import config as config_lib, errors, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import console, setup as setup_lib, writers  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.configs import small_config  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
 
 def read_events(workdir):

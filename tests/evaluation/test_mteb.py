@@ -15,7 +15,8 @@ from infjax.evaluation import datasets as eval_data  # noqa: E402
 from infjax.evaluation.mteb_adapter import InfjaxMTEBModel, changed_documents, mteb_task  # noqa: E402
 from infjax.evaluation.types import DataError  # noqa: E402
 from infjax.inference.sources import EmbeddingModel  # noqa: E402
-from tests.test_evaluate import _jsonl, _tsv, fake_embed  # noqa: E402
+from tests.helpers.configs import small_export_config as small_config  # noqa: E402  (test_export's run)
+from tests.helpers.evaluation import _jsonl, _tsv, fake_embed  # noqa: E402
 
 SYNTHETIC = "synthetic:seed=0,num_queries=45,pool_size=24"   # the default split, named in full: a run dir's
                                                             # own data.synthetic would otherwise set its size
@@ -101,7 +102,6 @@ def trained(tmp_path_factory):
     """A 3-step run of the embedded MiniLM and its export (test_export's small config)."""
     pytest.importorskip("sentence_transformers")
     from infjax import export, train
-    from tests.test_export import small_config
 
     workdir = str(tmp_path_factory.mktemp("mteb_run") / "run")
     train.run(small_config(), workdir)

@@ -1,4 +1,6 @@
-"""Sequence packing: the host packer, and packed == padded for every backbone family (outputs and gradients)."""
+"""Sequence packing: the host packer, and packed == padded for every backbone family (outputs and gradients).
+
+The attention over packed rows (segment ids) is tested in tests/models/test_attention.py."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,8 @@ from infjax.data import packing
 from infjax.models import attention as A
 from infjax.models.encoder import Encoder
 from infjax.models.registry import FAMILIES
-from tests.test_backbones import VOCAB, tiny_checkpoint
+from tests.helpers.backbones import VOCAB, tiny_checkpoint
+from tests.helpers.configs import small_config
 
 # Lengths of 8 texts (<= 16 tokens each): 2 shards of 4, packed into rows of 24 tokens. ModernBERT's tiny
 # config has a local half window of 4, so packs (and single texts) are longer than the window.
@@ -77,54 +80,6 @@ def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
         packing.pack(tokens, 2, capacity, 0, "passages", chunks=5)
 
 
-@pytest.mark.parametrize("causal,window", [pytest.param(False, None, marks=pytest.mark.slow),
-                                           pytest.param(True, None, marks=pytest.mark.slow), (False, 40)])
-def test_splash_attention_in_interpret_mode_equals_xla(causal, window):
-    """The Pallas TPU splash kernel (interpret mode on CPU), 2 blocks of 128: segments, padding, GQA."""
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.normal(size=(2, 256, 4, 16)), jnp.float32) for _ in range(3))
-    k, v = k[:, :, :2], v[:, :, :2]
-    seg = np.zeros((2, 256), np.int32)
-    seg[0, :100], seg[0, 100:220] = 1, 2                  # two texts, then padding
-    seg[1, :30], seg[1, 30:150], seg[1, 150:] = 1, 2, 3    # a text across the block boundary
-    seg = jnp.asarray(seg)
-    real = (seg > 0)[:, :, None, None]
-
-    def loss(impl):
-        return lambda q, k, v: jnp.sum(jnp.where(real, A.attention(q, k, v, seg, causal=causal, window=window,
-                                                                   impl=impl), 0.0) ** 2)
-    out = A.attention(q, k, v, seg, causal=causal, window=window, impl="splash")
-    ref = A.attention(q, k, v, seg, causal=causal, window=window, impl="xla")
-    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=1e-5)
-    for a, b in zip(jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v), jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, atol=2e-5 * float(np.max(np.abs(b))))
-
-
-def test_segment_positions_restart_in_every_segment():
-    seg = jnp.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 2, 2, 2]])
-    np.testing.assert_array_equal(A.segment_positions(seg), [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2], [0, 1, 0, 1, 2]])
-
-
-@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 2)])
-@pytest.mark.parametrize("block", [A.BLOCK, 4])
-def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 4, 8)), jnp.float32) for _ in range(3))
-    k, v = k[:, :, :2], v[:, :, :2]                       # grouped-query: 4 query heads over 2 kv heads
-    seg = jnp.array([[1, 1, 1, 2, 2, 2, 2, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    ref = A.attention(q, k, v, seg, causal=causal, window=window, impl="xla")
-    out = A.attention(q, k, v, seg, causal=causal, window=window, impl="explicit", block=block)
-    real = np.asarray(seg > 0)
-    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5)
-    weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * seg[:, :, None, None]    # real rows only
-
-    def grads(impl_):
-        return jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, causal=causal, window=window, impl=impl_,
-                                                        block=block) * weights), argnums=(0, 1, 2))(q, k, v)
-    for a, b in zip(grads("explicit"), grads("xla")):
-        np.testing.assert_allclose(a, b, atol=1e-5)
-
-
 def _checkpoint(family, tmp_path_factory):
     if family != "bert":
         return tiny_checkpoint(family, tmp_path_factory)[0]
@@ -170,7 +125,6 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     computed on one device (Interaction I with instruction negatives; Interaction II)."""
     from infjax.models.encoder import load_encoder
     from infjax.training import embed, mesh as mesh_lib, setup as setup_lib
-    from tests.test_train import small_config
 
     config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
                                          "data.query_max_len": 96, "data.passage_max_len": 96})
@@ -205,7 +159,6 @@ def config_lib_override(config, values):
 def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     from infjax.models.encoder import load_encoder
     from infjax.training import setup as setup_lib
-    from tests.test_train import small_config
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, _, path = load_encoder(config.model)
@@ -303,7 +256,6 @@ def test_a_checkpoint_from_before_packing_resumes():
     import json
 
     from infjax import config as config_lib
-    from tests.test_train import small_config
 
     current = json.loads(small_config().to_json_best_effort())
     old = json.loads(small_config().to_json_best_effort())

@@ -19,10 +19,8 @@ from infjax.data import inf_ir, synthetic  # noqa: E402
 from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, workdir as workdir_lib  # noqa: E402
 from infjax.training.restore import NonFiniteParams, load_run  # noqa: E402
 from infjax.training.setup import data_fingerprint  # noqa: E402
-from tests.conftest import changed  # noqa: E402
-from tests.test_train import small_config  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.configs import changed, small_config  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
 
 
 def write_records(path, records):

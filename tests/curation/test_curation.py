@@ -1,5 +1,5 @@
 """Curation (`infjax.curation`, `python -m infjax.curate`) against a real HTTP server speaking the OpenAI
-chat-completions API (tests/fake_openai.py), with scripted answers.
+chat-completions API (tests/helpers/fake_openai.py), with scripted answers.
 
 The scripted curator answers each stage in its format; three queries are special:
 topic 11's instruction answer is never in the format (dropped after 3 answers), topic 05's poison answer
@@ -20,10 +20,10 @@ from infjax.curation import parse, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
 from infjax.curation.backends import OpenAIBackend, Request, ResponseCache, retry_after_seconds
 from infjax.data.inf_ir import FIELDS, load_inf_ir
-from tests.fake_openai import FakeChat, Reply, field, stage_of
+from tests.helpers.fake_openai import FakeChat, Reply, field, stage_of
+from tests.helpers.paths import ROOT
 
 N = 30
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NEVER_FORMATTED, RETRIED, JUDGE_WRONG = "what is topic 11", "what is topic 05", "what is topic 07"
 
 
@@ -436,7 +436,7 @@ def test_a_hub_id_that_cannot_be_loaded_is_named(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------
 # The local backend on a tiny random Llama with a character-level tokenizer (the real SmolLM2 path is in
-# tests/test_generation.py and the offline default in the README)
+# tests/models/test_generation.py and the offline default in the README)
 # ---------------------------------------------------------------------------------------------------------
 
 def tiny_chat_model(folder):
