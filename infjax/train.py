@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 from absl import app, flags
@@ -108,6 +109,15 @@ class TrainResult:
     losses: list[tuple[int, float]]   # (step, loss) of every logged step
     state: state_lib.TrainState
     preempted: str | None             # the signal that stopped the run early, else None
+
+
+class LoopResult(NamedTuple):
+    """What `train_loop` returns."""
+
+    state: state_lib.TrainState
+    losses: list[tuple[int, float]]   # (step, loss) of the logged steps
+    preempted: str | None             # the stopping signal's name, else None
+    canary: dict                      # the canary scores of the final step's evaluation, or {}
 
 
 class Evaluator:
@@ -307,12 +317,9 @@ def milestone_sets(entry: dict) -> dict:
 
 def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int,
                writer: writers_lib.Writers, specs: list[str], evaluator: Evaluator, config_json: dict,
-               fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None):
+               fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None) -> LoopResult:
     """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets) and the canaries at
     eval.every and at the end (warning when a canary drops), checkpoint, stop on a signal.
-
-    Returns (state, [(step, loss)] of the logged steps, the stopping signal's name or None, the canary
-    scores of the final step's evaluation or {}).
     """
     plan, build = setup.plan, setup.build
     losses_seen, preempted, last_canary = [], None, {}
@@ -383,7 +390,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:
                 break
-    return state, losses_seen, preempted, (last_canary if int(state.step) == steps else {})
+    return LoopResult(state, losses_seen, preempted, last_canary if int(state.step) == steps else {})
 
 
 def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: dict, config_json: dict) -> None:

@@ -6,6 +6,7 @@ instruction-queries, the default) or {"query": tree, "passage": tree}.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +90,14 @@ def resolve_pooling(pooling: str, family: Family) -> str:
     return family.default_pooling if pooling == "auto" else pooling
 
 
-def load_encoder(model_config, weights: bool = True) -> tuple[Encoder, dict, str]:
-    """(encoder, params, local checkpoint folder) for the `config.model` section.
+class LoadedEncoder(NamedTuple):
+    encoder: Encoder
+    params: dict                       # {"shared": tree} or {"query", "passage"} (+ "interaction")
+    path: str                          # the local checkpoint folder
+
+
+def load_encoder(model_config, weights: bool = True) -> LoadedEncoder:
+    """The encoder, its params and its local checkpoint folder for the `config.model` section.
 
     Without `weights` nothing but config.json is read: the params are ShapeDtypeStructs of the same
     tree (what restoring a run's checkpoint needs)."""
@@ -107,4 +114,4 @@ def load_encoder(model_config, weights: bool = True) -> tuple[Encoder, dict, str
         hidden = int(hf_config["hidden_size"])
         params["interaction"] = interaction.init_head(hidden) if weights else interaction.abstract_head(hidden)
     pooling = resolve_pooling(model_config.get("pooling", "auto"), family)
-    return Encoder(module, pooling, family.padding_side, family.name), params, path
+    return LoadedEncoder(Encoder(module, pooling, family.padding_side, family.name), params, path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,14 +36,22 @@ from infjax.models.hf import files as hf_files
 _NEG = -1e30
 
 
-def load(path: str) -> tuple[DecoderConfig, dict, jax.Array]:
-    """``(config, params with the layers stacked, LM head [H, V])`` of a Llama / Qwen2 checkpoint folder."""
+class Decoder(NamedTuple):
+    """What `generate` needs of a checkpoint."""
+
+    config: DecoderConfig
+    params: dict                       # the layers stacked under ``layers``
+    head: jax.Array                    # the LM head [H, V]
+
+
+def load(path: str) -> Decoder:
+    """A Llama / Qwen2 checkpoint folder, ready for `generate`."""
     source = os.path.join(path, "config.json")
     family = registry.by_model_type(hf_files.load_hf_config(path).get("model_type", ""), source)
     if family.module is not DecoderModel:
         raise ValueError(f"{source}: a {family.name} model cannot generate text (Llama or Qwen2 can)")
     module, params, _, _ = family.load(path, scan_layers=True)
-    return module.config, params, load_lm_head(path, params, module.config)
+    return Decoder(module.config, params, load_lm_head(path, params, module.config))
 
 
 def load_lm_head(path: str, params: dict, config: DecoderConfig) -> jax.Array:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -23,6 +23,15 @@ IN_OUT = P("fsdp", "tensor")       # x @ W: the output features split over tenso
 OUT_IN = P("tensor", "fsdp")       # the projection back to the residual stream
 EMBED = P("tensor", "fsdp")        # [vocab, hidden]
 REPLICATED = P()
+
+
+class Loaded(NamedTuple):
+    """A checkpoint read by `Family.load`."""
+
+    module: Any                        # the family's Flax module, built for the checkpoint's config
+    params: dict                       # host float32 arrays (ShapeDtypeStructs without weights)
+    hf_config: dict                    # its config.json
+    path: str                          # the local folder it was read from
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +50,7 @@ class Family:
     partition_rules: tuple[tuple[str, P], ...]
 
     def load(self, name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
-             weights: bool = True) -> tuple[Any, dict, dict, str]:
+             weights: bool = True) -> Loaded:
         """Resolve, read and map a checkpoint of this family: ``(module, params, hf_config_dict, path)``.
 
         ``module`` computes in ``dtype``; ``params`` are host float32 arrays, stacked under ``layers``
@@ -57,9 +66,9 @@ class Family:
         config = self.config.from_hf_dict(hf_config, source=source)
         module = self.module(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
         if not weights:
-            return module, abstract_params(module), hf_config, path
+            return Loaded(module, abstract_params(module), hf_config, path)
         params = self.names.from_hf(hf_files.read_safetensors(path), config, scan_layers)
-        return module, params, hf_config, path
+        return Loaded(module, params, hf_config, path)
 
     def to_hf(self, params, hf_config: dict, source: str = "config.json", prefix: str = "") -> dict:
         """{HF tensor name: float32 array} of the bare model, from a parameter tree (unrolled or scanned)."""
