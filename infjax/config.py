@@ -237,6 +237,13 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     """Refuse values that cannot work, naming the key. Cheap: touches no file or device."""
     for key, value in _flatten(c.to_dict()).items():
         _check(not isinstance(value, float) or math.isfinite(value), key, value, "must be a finite number")
+    _validate_objective_and_model(c)
+    _validate_data(c)
+    _validate_training(c)
+    _validate_mesh(c, num_devices, num_processes)
+
+
+def _validate_objective_and_model(c) -> None:
     _check(c.objective in OBJECTIVES, "objective", c.objective, f"unknown objective; choose one of {sorted(OBJECTIVES)}")
     _check(c.loss.temperature > 0, "loss.temperature", c.loss.temperature, "must be > 0")
     _check(c.loss.convention in ("paper", "reference"), "loss.convention", c.loss.convention,
@@ -258,6 +265,9 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
         _check(isinstance(c.model[key], bool), f"model.{key}", c.model[key], "must be True or False")
     _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
            "must name a local folder, a hub id, or " + EMBEDDED)
+
+
+def _validate_data(c) -> None:
     _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
            "must be auto, default or legacy")
     _check(c.data.on_bad_row in ("error", "skip"), "data.on_bad_row", c.data.on_bad_row, "must be error or skip")
@@ -279,6 +289,19 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.data.synthetic.num_eval_queries >= 1, "data.synthetic.num_eval_queries",
            c.data.synthetic.num_eval_queries, "must be >= 1")
     _check(c.data.synthetic.pool_size >= 8, "data.synthetic.pool_size", c.data.synthetic.pool_size, "must be >= 8")
+    _check(isinstance(c.data.packing, bool), "data.packing", c.data.packing, "must be True or False")
+    for side in ("query", "passage"):
+        length = c.data[f"pack_length_{side}"]
+        _check(isinstance(length, int) and (length == 0 or length >= c.data[f"{side}_max_len"]),
+               f"data.pack_length_{side}", length, f"must be 0 or >= data.{side}_max_len "
+               f"({c.data[f'{side}_max_len']}): a row holds at least one whole text")
+    for key in ("pack_rows_query", "pack_rows_passage", "pack_rows_negatives"):
+        _check(isinstance(c.data[key], int) and c.data[key] >= 0, f"data.{key}", c.data[key],
+               "must be an integer >= 0 (0 = measured over the run)")
+
+
+def _validate_training(c) -> None:
+    """train.*, log.*, checkpoint.*, eval.*"""
     _check(c.train.batch_size >= 1, "train.batch_size", c.train.batch_size, "must be >= 1")
     _check(c.train.steps >= 0, "train.steps", c.train.steps, "must be >= 0 (0 = train.epochs over the data)")
     _check(c.train.epochs >= 1, "train.epochs", c.train.epochs, "must be >= 1")
@@ -312,17 +335,12 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _check(c.eval.canary_margin >= 0, "eval.canary_margin", c.eval.canary_margin, "must be >= 0")
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
     _check(c.train.chunk_size >= 0, "train.chunk_size", c.train.chunk_size, "must be >= 0 (0 = off)")
-    _check(isinstance(c.data.packing, bool), "data.packing", c.data.packing, "must be True or False")
-    for side in ("query", "passage"):
-        length = c.data[f"pack_length_{side}"]
-        _check(isinstance(length, int) and (length == 0 or length >= c.data[f"{side}_max_len"]),
-               f"data.pack_length_{side}", length, f"must be 0 or >= data.{side}_max_len "
-               f"({c.data[f'{side}_max_len']}): a row holds at least one whole text")
-    for key in ("pack_rows_query", "pack_rows_passage", "pack_rows_negatives"):
-        _check(isinstance(c.data[key], int) and c.data[key] >= 0, f"data.{key}", c.data[key],
-               "must be an integer >= 0 (0 = measured over the run)")
     _check(c.train.moments_dtype in ("float32", "bfloat16"), "train.moments_dtype", c.train.moments_dtype,
            "must be float32 or bfloat16")
+
+
+def _validate_mesh(c, num_devices: int | None, num_processes: int) -> None:
+    """mesh.* and the batch / chunk sizes it must split."""
     sizes = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
     for axis, size in sizes.items():
         _check(isinstance(size, int) and (size == -1 or size >= 1), f"mesh.{axis}", size,
