@@ -18,6 +18,8 @@ from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.registry import FAMILIES
 from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
 
+_DECODER = {"model.pooling": "last", "model.remat": True, "model.scan_layers": True}
+
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
     "embedded": {
@@ -37,16 +39,14 @@ PRESETS = {
     "bge-base-en-v1.5": {"model.checkpoint": "BAAI/bge-base-en-v1.5", "model.pooling": "cls"},
     "bge-large-en-v1.5": {"model.checkpoint": "BAAI/bge-large-en-v1.5", "model.pooling": "cls"},
     "modernbert-base": {"model.checkpoint": "answerdotai/ModernBERT-base", "model.pooling": "mean"},
-    # Decoders pad on the left and pool the last token; remat keeps activation memory per layer.
-    "llama-3.2-1b": {"model.checkpoint": "meta-llama/Llama-3.2-1B", "model.pooling": "last",
-                     "model.remat": True},
-    "llama-3.2-1b-instruct": {"model.checkpoint": "meta-llama/Llama-3.2-1B-Instruct", "model.pooling": "last",
-                              "model.remat": True},
-    "qwen2.5-1.5b": {"model.checkpoint": "Qwen/Qwen2.5-1.5B", "model.pooling": "last", "model.remat": True},
-    "qwen2.5-1.5b-instruct": {"model.checkpoint": "Qwen/Qwen2.5-1.5B-Instruct", "model.pooling": "last",
-                              "model.remat": True},
-    "qwen2.5-3b": {"model.checkpoint": "Qwen/Qwen2.5-3B", "model.pooling": "last", "model.remat": True},
-    "qwen2.5-7b": {"model.checkpoint": "Qwen/Qwen2.5-7B", "model.pooling": "last", "model.remat": True},
+    # Decoders pad on the left and pool the last token; remat keeps activation memory per layer, and scanned
+    # layers let fsdp gather one layer's kernels at a time (README, Scale).
+    "llama-3.2-1b": {"model.checkpoint": "meta-llama/Llama-3.2-1B", **_DECODER},
+    "llama-3.2-1b-instruct": {"model.checkpoint": "meta-llama/Llama-3.2-1B-Instruct", **_DECODER},
+    "qwen2.5-1.5b": {"model.checkpoint": "Qwen/Qwen2.5-1.5B", **_DECODER},
+    "qwen2.5-1.5b-instruct": {"model.checkpoint": "Qwen/Qwen2.5-1.5B-Instruct", **_DECODER},
+    "qwen2.5-3b": {"model.checkpoint": "Qwen/Qwen2.5-3B", **_DECODER},
+    "qwen2.5-7b": {"model.checkpoint": "Qwen/Qwen2.5-7B", **_DECODER},
 }
 HUB_DATA = {"data.source": "InF-IR/InF-IR", "data.splits": "msmarco",
             "data.query_max_len": 256, "data.passage_max_len": 512,
