@@ -29,8 +29,8 @@ from flax import struct
 from safetensors import safe_open
 
 from infjax.models import layers as L
-from infjax.models import registry
 from infjax.models.decoder import DecoderConfig, DecoderLayer, DecoderModel
+from infjax.models.encoder import detect_family
 from infjax.models.hf import files as hf_files
 
 _NEG = -1e30
@@ -46,10 +46,10 @@ class Decoder(NamedTuple):
 
 def load(path: str) -> Decoder:
     """A Llama / Qwen2 checkpoint folder, ready for `generate`."""
-    source = os.path.join(path, "config.json")
-    family = registry.by_model_type(hf_files.load_hf_config(path).get("model_type", ""), source)
+    family = detect_family(path)
     if family.module is not DecoderModel:
-        raise ValueError(f"{source}: a {family.name} model cannot generate text (Llama or Qwen2 can)")
+        raise ValueError(f"{os.path.join(path, 'config.json')}: a {family.name} model cannot generate text "
+                         "(Llama or Qwen2 can)")
     module, params, _, _ = family.load(path, scan_layers=True)
     return Decoder(module.config, params, load_lm_head(path, params, module.config))
 

@@ -41,13 +41,17 @@ class Family:
     name: str
     model_types: tuple[str, ...]       # config.json `model_type` values this family reads
     config: type                       # its config class: .from_hf_dict(config.json dict, source)
-    module: type                       # its Flax module class: (config, dtype=, remat=, scan_layers=)
-    names: NameMap                     # HF tensor names <-> its parameter tree
+    names: NameMap                     # HF tensor names <-> its parameter tree (names.module: its Flax module)
     architecture: str                  # the bare model's HF class, written to an export's config.json
     padding_side: str                  # right (encoders) | left (decoders: the last token is the text's last)
     default_pooling: str               # what model.pooling=auto and an HF folder without a choice use
     # ordered (regex over "a/b/kernel" paths, spec of the trailing dims): the first match shards a parameter
     partition_rules: tuple[tuple[str, P], ...]
+
+    @property
+    def module(self) -> type:
+        """Its Flax module class: (config, dtype=, remat=, scan_layers=)."""
+        return self.names.module
 
     def load(self, name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
              weights: bool = True) -> Loaded:
@@ -105,14 +109,13 @@ DECODER_RULES = (
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("bert", ("bert",), bert.BertConfig, bert.BertModel, bert.HF_NAMES, "BertModel", "right", "mean",
-           BERT_RULES),
-    Family("modernbert", ("modernbert",), modernbert.ModernBertConfig, modernbert.ModernBertModel,
-           modernbert.HF_NAMES, "ModernBertModel", "right", "mean", MODERNBERT_RULES),
-    Family("llama", ("llama",), decoder.DecoderConfig, decoder.DecoderModel, decoder.HF_NAMES, "LlamaModel",
-           "left", "last", DECODER_RULES),
-    Family("qwen2", ("qwen2",), decoder.DecoderConfig, decoder.DecoderModel, decoder.HF_NAMES, "Qwen2Model",
-           "left", "last", DECODER_RULES),
+    Family("bert", ("bert",), bert.BertConfig, bert.HF_NAMES, "BertModel", "right", "mean", BERT_RULES),
+    Family("modernbert", ("modernbert",), modernbert.ModernBertConfig, modernbert.HF_NAMES, "ModernBertModel",
+           "right", "mean", MODERNBERT_RULES),
+    Family("llama", ("llama",), decoder.DecoderConfig, decoder.HF_NAMES, "LlamaModel", "left", "last",
+           DECODER_RULES),
+    Family("qwen2", ("qwen2",), decoder.DecoderConfig, decoder.HF_NAMES, "Qwen2Model", "left", "last",
+           DECODER_RULES),
 )}
 
 
