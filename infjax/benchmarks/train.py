@@ -16,7 +16,8 @@ Throughput mode builds the run's sharded state and compiled step exactly as `inf
 does, tokenizes the batches up front (outside the timing), runs --warmup steps, then times
 --steps steps and prints examples (rows)/s, tokens/s (padded and real) and model-FLOPs
 utilization: FLOPs per step from the compiled step's `cost_analysis()` (XLA's count for the
-partitioned program, i.e. per device), divided by the step time and the device's peak bf16
+partitioned program, i.e. per device; it counts the body of a loop once, so scanned layers and the
+blockwise attention of long rows make it a lower bound), divided by the step time and the device's peak bf16
 FLOP/s (table below; --peak_flops overrides; n/a on CPU).
 
 Sweep mode compiles (without running) the step for each global batch size in rows, with
@@ -236,7 +237,8 @@ def main(argv: list[str]) -> None:
           f"{r['tokens_per_s_padded']:.0f} tokens/s in buffers ({r['tokens_per_s_real']:.0f} real; real share "
           f"{100 * r['real_share']:.0f}%)")
     mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis); MFU {mfu}; "
+    print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis: a loop body counts "
+          f"once, so scanned layers and blockwise attention are undercounted); MFU {mfu}; "
           f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device (compiled); process max RSS "
           f"{_max_rss_mib():.0f} MiB")
     if fv.vs_torch:

@@ -54,3 +54,22 @@ def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
                                                         block=block) * weights), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(grads("explicit"), grads("xla")):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_blockwise_attention_takes_a_traced_window_and_bfloat16():
+    """ModernBERT's scanned layers pass their window as a traced value; the blockwise form (rows of
+    BLOCKWISE_FROM tokens and more in the default config) takes it like the one-pass form, in bfloat16 too."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 16, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.array([[1] * 5 + [2] * 9 + [0] * 2, [1] * 16])
+    ref = A.attention(q, k, v, seg, window=3, impl="xla")
+    traced = jax.jit(lambda w: A.attention(q, k, v, seg, window=w, impl="explicit", block=4))(3)
+    real = np.asarray(seg > 0)
+    np.testing.assert_allclose(np.asarray(traced)[real], np.asarray(ref)[real], atol=1e-5)
+    half = A.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), seg, window=3, impl="explicit", block=4)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, np.float32)[real], np.asarray(ref)[real], atol=5e-2)
+    grads = jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, window=3, impl="explicit", block=4)
+                                        .astype(jnp.float32) ** 2), argnums=(0, 1, 2))(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)))
+    assert all(g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)

@@ -212,3 +212,39 @@ def test_fsdp_keeps_the_rows_split_between_layers():
     # [64, 128, 2048] float32 MLP activations are 64 MiB for the whole batch, 8 MiB per device's rows.
     temp_free, temp_held = (c.memory_analysis().temp_size_in_bytes for c in (free, held))
     assert temp_held < temp_free / 3, (temp_free / 2**20, temp_held / 2**20)
+
+
+def test_cpu_step_is_scheduled_for_memory():
+    """On CPU the step is compiled with XLA's memory-optimised schedule: fewer temporaries than the same
+    step under the default (concurrency-optimised) schedule, and the same results."""
+    from infjax.data import batches
+    from infjax.data.tokenize import TextFormat, Tokenizer
+
+    config = small_config()
+    mesh = _mesh(8, 1)
+    encoder, params, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
+    objective = losses.Objective.from_name(config.objective)
+    optimizer, schedule = state_lib.make_optimizer(config.train, 10)
+    train_step = step_lib.make_train_step(encoder, objective, optimizer, schedule)
+    batch = mesh_lib.global_batch(build(0), mesh)
+    results = {}
+    for name in ("memory", "default"):
+        state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
+        jitted = step_lib.jit_train_step(train_step, mesh, shardings) if name == "memory" else jax.jit(
+            train_step, in_shardings=(shardings, mesh_lib.batch_sharding(mesh)),
+            out_shardings=(shardings, mesh_lib.replicated(mesh)), donate_argnums=0)
+        compiled = jitted.lower(state, batch).compile()
+        new_state, metrics = compiled(state, batch)
+        results[name] = (compiled.memory_analysis().temp_size_in_bytes, float(metrics["loss"]),
+                         jax.device_get(new_state.params))
+    (temp_mem, loss_mem, params_mem), (temp_def, loss_def, params_def) = results["memory"], results["default"]
+    print(f"temporaries per device: memory schedule {temp_mem / 2**20:.1f} MiB, default {temp_def / 2**20:.1f} MiB")
+    assert step_lib.compiler_options(mesh) == step_lib.CPU_COMPILER_OPTIONS
+    assert temp_mem < 0.95 * temp_def        # 387 vs 417 MiB when written
+    assert loss_mem == pytest.approx(loss_def, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(params_mem), jax.tree.leaves(params_def)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
