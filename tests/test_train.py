@@ -16,17 +16,12 @@ from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import embed as embed_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.helpers.configs import small_config  # noqa: E402
+from tests.helpers.configs import run_parts, small_config  # noqa: E402
 
 
 def batch_loss(config, params, step=0):
     """The objective on the global batch of `step` for `params` (plain, unsharded)."""
-    encoder, _, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
-    objective = losses.Objective.from_name(config.objective)
+    encoder, _, build, objective = run_parts(config)
     loss, _ = jax.jit(embed_lib.make_loss_fn(encoder, objective))(params, build(step), None)
     return float(loss)
 

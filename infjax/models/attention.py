@@ -153,13 +153,18 @@ def _scores(qh, kh, segment_ids, window, causal, windowed):
     return scores + _bias(mask)
 
 
-def _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed):
-    scores = _scores(qh, kh, segment_ids, window, causal, windowed)
+def _softmax_values(scores, vh, dtype):
+    """softmax(scores) @ vh, normalised after the product, in `dtype`; and the log-sum-exp of the scores."""
     top = jnp.max(scores, axis=-1, keepdims=True)
     weights = jnp.exp(scores - top)
     total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = (jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total).astype(qh.dtype)
-    return out, (qh, kh, vh, segment_ids, window, out, top + jnp.log(total))
+    out = jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total
+    return out.astype(dtype), top + jnp.log(total)
+
+
+def _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed):
+    out, lse = _softmax_values(_scores(qh, kh, segment_ids, window, causal, windowed), vh, qh.dtype)
+    return out, (qh, kh, vh, segment_ids, window, out, lse)
 
 
 def _fused_bwd(causal, windowed, res, d_out):
@@ -207,9 +212,10 @@ def _unblock(x):
 
 def _block_scores(q_block, kh, segment_ids, start, window, causal, windowed):
     """Scores of query rows start .. start + block over all keys, masked: [B, N, block, S] float32."""
-    block = q_block.shape[2]
-    scores = jnp.matmul(q_block, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * q_block.shape[-1] ** -0.5
-    mask = _mask(segment_ids, start + jnp.arange(block), jnp.arange(kh.shape[2]), causal, window if windowed else None)
+    scale = q_block.shape[-1] ** -0.5
+    scores = jnp.matmul(q_block, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
+    q_index = start + jnp.arange(q_block.shape[2])
+    mask = _mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window if windowed else None)
     return scores + _bias(mask)
 
 
@@ -223,12 +229,8 @@ def _blockwise(qh, kh, vh, segment_ids, window, causal, windowed, block):
 def _blockwise_fwd(qh, kh, vh, segment_ids, window, causal, windowed, block):
     def one(xs):
         q_block, start = xs
-        scores = _block_scores(q_block, kh, segment_ids, start, window, causal, windowed)
-        top = jnp.max(scores, axis=-1, keepdims=True)
-        weights = jnp.exp(scores - top)
-        total = jnp.sum(weights, axis=-1, keepdims=True)
-        out = jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total
-        return out.astype(qh.dtype), top + jnp.log(total)
+        return _softmax_values(_block_scores(q_block, kh, segment_ids, start, window, causal, windowed), vh,
+                               qh.dtype)
 
     starts = jnp.arange(qh.shape[2] // block) * block
     out, lse = jax.lax.map(one, (_query_blocks(qh, block), starts))

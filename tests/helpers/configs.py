@@ -46,3 +46,20 @@ def small_export_config(**overrides):
 def changed(config, **overrides):
     """A copy of `config` with dotted-key overrides ("train.steps": 5)."""
     return config_lib.override(config.copy_and_resolve_references(), overrides)
+
+
+def run_parts(config):
+    """(encoder, params, batch builder, objective) of `config`'s run, unsharded: texts padded to 48
+    tokens, no packing; `build(step)` is the global batch of a step."""
+    from infjax import losses
+    from infjax.data import batches
+    from infjax.data.tokenize import TextFormat, Tokenizer
+    from infjax.models.encoder import load_encoder
+    from infjax.training import setup as setup_lib
+
+    encoder, params, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
+    return encoder, params, build, losses.Objective.from_name(config.objective)

@@ -10,7 +10,7 @@ from infjax import config as config_lib, losses  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import mesh as mesh_lib, partitioning, state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.helpers.configs import small_config  # noqa: E402
+from tests.helpers.configs import run_parts, small_config  # noqa: E402
 
 
 def _mesh(data, fsdp, tensor=1):
@@ -90,15 +90,7 @@ def test_moments_dtype_bfloat16_keeps_nu_in_float32():
 
 def _two_steps(config, mesh):
     """Losses and parameters after two train steps on `mesh`."""
-    from infjax.data import batches
-    from infjax.data.tokenize import TextFormat, Tokenizer
-
-    encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
-    objective = losses.Objective.from_name(config.objective)
+    encoder, params, build, objective = run_parts(config)
     optimizer, schedule = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
     step = setup_lib.compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, shardings)
@@ -217,17 +209,9 @@ def test_fsdp_keeps_the_rows_split_between_layers():
 def test_cpu_step_is_scheduled_for_memory():
     """On CPU the step is compiled with XLA's memory-optimised schedule: fewer temporaries than the same
     step under the default (concurrency-optimised) schedule, and the same results."""
-    from infjax.data import batches
-    from infjax.data.tokenize import TextFormat, Tokenizer
-
     config = small_config()
     mesh = _mesh(8, 1)
-    encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
-    objective = losses.Objective.from_name(config.objective)
+    encoder, params, build, objective = run_parts(config)
     optimizer, schedule = state_lib.make_optimizer(config.train, 10)
     train_step = step_lib.make_train_step(encoder, objective, optimizer, schedule)
     batch = mesh_lib.global_batch(build(0), mesh)
