@@ -147,9 +147,12 @@ def _fused(qh, kh, vh, segment_ids, window, causal, windowed):
     return _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed)[0]
 
 
-def _scores(qh, kh, segment_ids, window, causal, windowed):
+def _scores(qh, kh, segment_ids, window, causal, windowed, start=None):
+    """Masked scores [B, N, T', S] float32 of queries qh [B, N, T', D] over all keys: the whole row, or
+    (`start`) the query rows start .. start + T' of one block."""
     scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * qh.shape[-1] ** -0.5
-    mask = _mask(segment_ids, None, jnp.arange(kh.shape[2]), causal, window if windowed else None)
+    q_index = None if start is None else start + jnp.arange(qh.shape[2])
+    mask = _mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window if windowed else None)
     return scores + _bias(mask)
 
 
@@ -167,16 +170,27 @@ def _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed):
     return out, (qh, kh, vh, segment_ids, window, out, lse)
 
 
-def _fused_bwd(causal, windowed, res, d_out):
-    qh, kh, vh, segment_ids, window, out, lse = res
-    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal, windowed) - lse)            # [B, N, T, S] float32
+def _delta(d_out, out):
+    """rowsum(dO * O) [..., T, 1] float32, the softmax backward's correction term."""
+    return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+
+
+def _grads(probs, qh, kh, vh, d_out, delta):
+    """float32 (dQ, dK, dV) of queries qh over keys kh / values vh, from their attention probabilities
+    [B, N, T', S] and the output gradient d_out [B, N, T', D]."""
     d_out32 = d_out.astype(jnp.float32)
     d_v = jnp.matmul(jnp.swapaxes(probs, -1, -2), d_out32)
     d_probs = jnp.matmul(d_out32, jnp.swapaxes(vh, -1, -2).astype(jnp.float32))
-    delta = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1, keepdims=True)
     d_scores = probs * (d_probs - delta) * qh.shape[-1] ** -0.5
     d_q = jnp.matmul(d_scores, kh.astype(jnp.float32))
     d_k = jnp.matmul(jnp.swapaxes(d_scores, -1, -2), qh.astype(jnp.float32))
+    return d_q, d_k, d_v
+
+
+def _fused_bwd(causal, windowed, res, d_out):
+    qh, kh, vh, segment_ids, window, out, lse = res
+    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal, windowed) - lse)            # [B, N, T, S] float32
+    d_q, d_k, d_v = _grads(probs, qh, kh, vh, d_out, _delta(d_out, out))
     return (d_q.astype(qh.dtype), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None, None)
 
 
@@ -210,15 +224,6 @@ def _unblock(x):
     return jnp.moveaxis(x, 0, 2).reshape((b, n, blocks * block) + x.shape[4:])
 
 
-def _block_scores(q_block, kh, segment_ids, start, window, causal, windowed):
-    """Scores of query rows start .. start + block over all keys, masked: [B, N, block, S] float32."""
-    scale = q_block.shape[-1] ** -0.5
-    scores = jnp.matmul(q_block, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
-    q_index = start + jnp.arange(q_block.shape[2])
-    mask = _mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window if windowed else None)
-    return scores + _bias(mask)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _blockwise(qh, kh, vh, segment_ids, window, causal, windowed, block):
     """`_fused` one block of `block` query rows at a time (forward: `lax.map`; backward: a scan that
@@ -229,7 +234,7 @@ def _blockwise(qh, kh, vh, segment_ids, window, causal, windowed, block):
 def _blockwise_fwd(qh, kh, vh, segment_ids, window, causal, windowed, block):
     def one(xs):
         q_block, start = xs
-        return _softmax_values(_block_scores(q_block, kh, segment_ids, start, window, causal, windowed), vh,
+        return _softmax_values(_scores(q_block, kh, segment_ids, window, causal, windowed, start), vh,
                                qh.dtype)
 
     starts = jnp.arange(qh.shape[2] // block) * block
@@ -240,24 +245,19 @@ def _blockwise_fwd(qh, kh, vh, segment_ids, window, causal, windowed, block):
 
 def _blockwise_bwd(causal, windowed, block, res, d_out):
     qh, kh, vh, segment_ids, window, out, lse = res
-    kh32, vh32 = kh.astype(jnp.float32), vh.astype(jnp.float32)
-    d_out32 = d_out.astype(jnp.float32)
-    delta = jnp.sum(d_out32 * out.astype(jnp.float32), axis=-1, keepdims=True)
 
     def one(carry, xs):
         d_k, d_v = carry
         q_block, d_out_block, lse_block, delta_block, start = xs
-        probs = jnp.exp(_block_scores(q_block, kh, segment_ids, start, window, causal, windowed) - lse_block)
-        d_v = d_v + jnp.matmul(jnp.swapaxes(probs, -1, -2), d_out_block)
-        d_probs = jnp.matmul(d_out_block, jnp.swapaxes(vh32, -1, -2))
-        d_scores = probs * (d_probs - delta_block) * qh.shape[-1] ** -0.5
-        d_k = d_k + jnp.matmul(jnp.swapaxes(d_scores, -1, -2), q_block.astype(jnp.float32))
-        return (d_k, d_v), jnp.matmul(d_scores, kh32).astype(qh.dtype)
+        probs = jnp.exp(_scores(q_block, kh, segment_ids, window, causal, windowed, start) - lse_block)
+        d_q_block, d_k_part, d_v_part = _grads(probs, q_block, kh, vh, d_out_block, delta_block)
+        return (d_k + d_k_part, d_v + d_v_part), d_q_block.astype(qh.dtype)
 
     starts = jnp.arange(qh.shape[2] // block) * block
-    xs = (_query_blocks(qh, block), _query_blocks(d_out32, block), _query_blocks(lse, block),
-          _query_blocks(delta, block), starts)
-    (d_k, d_v), d_q = jax.lax.scan(one, (jnp.zeros_like(kh32), jnp.zeros_like(vh32)), xs)
+    xs = (_query_blocks(qh, block), _query_blocks(d_out, block), _query_blocks(lse, block),
+          _query_blocks(_delta(d_out, out), block), starts)
+    zeros = jnp.zeros(kh.shape, jnp.float32), jnp.zeros(vh.shape, jnp.float32)
+    (d_k, d_v), d_q = jax.lax.scan(one, zeros, xs)
     return _unblock(d_q), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None, None
 
 
