@@ -114,11 +114,17 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # measured on the host before the first step
     c.data.pack_rows_passage = 0       # ... for passages
     c.data.pack_rows_negatives = 0     # ... for the instruction negatives (K per row)
-    c.data.pack_length_query = 0       # tokens per packed row, query side (0 = the longest query text of the run
-                                       # rounded up to 64, at most data.query_max_len; with pack_rows_query set:
-                                       # data.query_max_len); longer rows hold more texts (less padding) but
-                                       # each token's attention spans the row
+    c.data.pack_length_query = 0       # tokens per packed row, query side (0 = chosen on the host: the multiple
+                                       # of 32 from the longest query text of the run up to twice that with the
+                                       # least padding plus attention cost, see data/packing.py; with
+                                       # pack_rows_query set: data.query_max_len); longer rows hold more texts
+                                       # (less padding) but each token's attention spans the row
     c.data.pack_length_passage = 0     # ... passage side
+    c.data.pack_shapes = 3             # packed shapes per run, each one compiled step: every step is packed
+                                       # into the fewest rows (of those shapes) that hold it, so padding follows
+                                       # each step's own texts rather than the run's longest step; a further
+                                       # shape is added only if it saves > 2% of the packed encoder cost; 1 = one
+                                       # shape that holds every step
     c.data.resume_if_changed = False   # resume even if the training data differs from the checkpoint's (its
                                        # fingerprint: record count and content hash); later batches then differ
     c.data.synthetic = ml_collections.ConfigDict()
@@ -190,6 +196,7 @@ RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "tr
                      "data.resume_if_changed",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
+                     "data.pack_shapes",
                      "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
 
 
@@ -295,6 +302,8 @@ def _validate_data(c) -> None:
         _check(isinstance(length, int) and (length == 0 or length >= c.data[f"{side}_max_len"]),
                f"data.pack_length_{side}", length, f"must be 0 or >= data.{side}_max_len "
                f"({c.data[f'{side}_max_len']}): a row holds at least one whole text")
+    _check(isinstance(c.data.pack_shapes, int) and c.data.pack_shapes >= 1, "data.pack_shapes",
+           c.data.pack_shapes, "must be an integer >= 1 (compiled shapes of packed batches)")
     for key in ("pack_rows_query", "pack_rows_passage", "pack_rows_negatives"):
         _check(isinstance(c.data[key], int) and c.data[key] >= 0, f"data.{key}", c.data[key],
                "must be an integer >= 0 (0 = measured over the run)")

@@ -151,35 +151,47 @@ def inf_ir_shaped_records(n: int, seed: int = 0) -> list[dict]:
              "hard_negative_document_2": passage()} for _ in range(n)]
 
 
+def _shape(batch) -> tuple:
+    return tuple((k, v.shape) for k, v in _leaves(batch))
+
+
 def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, records=None) -> dict:
+    """Times `steps` steps after `warmup`; with several packed shapes (data.pack_shapes), each shape's step is
+    compiled ahead of time first, and the FLOPs, buffer tokens and peak memory are those of each step's shape."""
     setup = Setup(config, records)
     state, _ = state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,
                                               setup.encoder.module, setup.mesh)
     batches = [setup.batch(i) for i in range(warmup + steps)]
     t0 = time.perf_counter()
-    compiled = setup.compile(batches[0])
+    compiled = {}
+    for b in batches:
+        if _shape(b) not in compiled:
+            compiled[_shape(b)] = setup.compile(b)
     compile_s = time.perf_counter() - t0
-    flops = flops_of(compiled)
     for b in batches[:warmup]:
-        state, metrics = compiled(state, b)
+        state, metrics = compiled[_shape(b)](state, b)
     jax.block_until_ready(state)
     times = []
     for b in batches[warmup:]:
+        step = compiled[_shape(b)]
         t0 = time.perf_counter()
-        state, metrics = compiled(state, b)
+        state, metrics = step(state, b)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     seconds = float(np.median(times))
     rows = setup.build.global_rows
-    padded = sum(int(np.prod(v.shape)) for k, v in _leaves(batches[0]) if k.endswith("ids"))
-    real = int(np.mean([real_tokens(jax.device_get(b)) for b in batches[warmup:]]))
+    timed = batches[warmup:]
+    flops = float(np.mean([flops_of(compiled[_shape(b)]) for b in timed]))
+    padded = float(np.mean([sum(int(np.prod(v.shape)) for k, v in _leaves(b) if k.endswith("ids")) for b in timed]))
+    real = float(np.mean([real_tokens(jax.device_get(b)) for b in timed]))
     peak = peak_flops(jax.devices()[0], peak_override)
     return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "mesh": dict(setup.mesh.shape),
             "rows_per_step": rows, "compile_s": compile_s, "step_s": seconds, "examples_per_s": rows / seconds,
             "tokens_per_s_padded": padded / seconds, "tokens_per_s_real": real / seconds,
-            "flops_per_step_per_device": flops,
+            "flops_per_step_per_device": flops, "shapes": len(compiled),
             "mfu": (flops / seconds / peak) if peak and flops else None,
-            "peak_memory_per_device_bytes": peak_bytes(compiled), "real_share": real / padded,
+            "peak_memory_per_device_bytes": max(peak_bytes(c) for c in compiled.values()),
+            "real_share": real / padded,
             "step_times": times, "setup": setup}
 
 
@@ -231,8 +243,11 @@ def main(argv: list[str]) -> None:
               f"aliased {m.alias_size_in_bytes / 2**30:.2f})")
         return
     r = throughput(config, fv.steps, fv.warmup, fv.peak_flops, records)
+    shapes = r["setup"].build.shapes
+    packed = "off" if shapes is None else "; ".join(
+        " ".join(f"{side} {n}x{shapes.lengths[side]}" for side, n in rows.items()) for rows in shapes.rows)
     print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}, "
-          f"packing {bool(r['setup'].build.capacities)}; compile {r['compile_s']:.1f} s")
+          f"packing {packed} ({r['shapes']} shape(s) in the timed steps); compile {r['compile_s']:.1f} s")
     print(f"step {r['step_s'] * 1e3:.1f} ms (median of {fv.steps})  {r['examples_per_s']:.1f} examples/s  "
           f"{r['tokens_per_s_padded']:.0f} tokens/s in buffers ({r['tokens_per_s_real']:.0f} real; real share "
           f"{100 * r['real_share']:.0f}%)")

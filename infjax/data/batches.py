@@ -9,8 +9,10 @@ A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
 arrays, `{"q": {"ids", "mask", "text", "first", "last"}, ...}`, one packing
 per batch shard, or per gradient-caching chunk of one, see data/packing.py).
-Packed buffers have a fixed capacity per side, measured once over every step
-of the run (`measure_capacities`).
+Packed buffers have fixed shapes, measured once over every step of the run
+before the first (`measure_shapes`): per side a row length, and a few sets of
+row counts, each step packed into the cheapest set that holds it (one compiled
+train step per set).
 """
 from __future__ import annotations
 
@@ -104,6 +106,7 @@ class BatchBuilder:
     process_count: int = 1
     interaction: str = "concat"     # concat | cross_attention (instructions and queries encoded apart)
     capacities: dict[str, packing.Capacity] | None = None   # side -> packed capacity (None: padded batches)
+    shapes: packing.Shapes | None = None          # several packed shapes, one per step (None: `capacities` always)
     shards: int = 1                 # batch shards of this process (packing packs each shard apart)
     capacity_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (error messages)
     pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
@@ -153,11 +156,12 @@ class BatchBuilder:
     def __call__(self, step: int) -> dict:
         texts, groups = self.side_texts(step)
         if self.capacities is not None:
+            capacities = self.shapes.at(step) if self.shapes is not None else self.capacities
             batch = {}
             for side, t in texts.items():
                 try:
                     batch[side] = packing.pack(self.tokenizer.tokens(t, self.max_len(side)), self.shards,
-                                               self.capacities[side], self.tokenizer.pad_id,
+                                               capacities[side], self.tokenizer.pad_id,
                                                f"step {step}, side {side!r}", (self.chunks or {}).get(side))
                 except packing.PackingOverflow as e:
                     key = (self.capacity_keys or {}).get(side, "the packing capacity")
@@ -186,29 +190,51 @@ def real_tokens(batch: dict) -> int:
     return total
 
 
-def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
-    """Per side, the packed capacity (rows x row length per batch shard, or per chunk of one under gradient
-    caching) that holds every step listed.
+def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: int = 1,
+                   fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0) -> packing.Shapes:
+    """The packed shapes of the steps listed: per side a row length and up to `max_shapes` sets of row
+    counts per batch shard (or per chunk of one under gradient caching), each step in its cheapest set.
 
-    The row length is the side's configured pack length, else the longest text of the side over the
-    steps rounded up to a multiple of 64 (at most max_len: short texts never pay for a long row's
-    attention). Every process measures the global batches, so all agree on the shapes. Texts are
-    tokenized once each.
+    The row length is the side's configured pack length, else the one of least cost over the first steps
+    (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps).
+    `fixed_rows` (side -> rows, from the config) are not measured: those sides keep those rows in every
+    shape. Every process measures the global batches, so all agree on the shapes. Texts are tokenized
+    once each.
     """
+    fixed_rows = fixed_rows or {}
     lengths_of: dict[tuple[str, str], int] = {}
     per_step: dict[str, list[list[int]]] = {}
-    for step in steps:
+    all_fixed = set(build.side_texts(steps[0], local=False)[0]) <= set(fixed_rows)
+    for step in steps[:1] if all_fixed else steps:
         texts, _ = build.side_texts(step, local=False)
         for side, batch_texts in texts.items():
+            if side in fixed_rows:
+                per_step.setdefault(side, [])
+                continue
             new = [t for t in dict.fromkeys(batch_texts) if (side, t) not in lengths_of]
             for t, ids in zip(new, build.tokenizer.tokens(new, build.max_len(side))):
                 lengths_of[(side, t)] = len(ids)
             per_step.setdefault(side, []).append([lengths_of[(side, t)] for t in batch_texts])
-    out = {}
-    for side, lengths in per_step.items():
-        configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
-        longest = max(max(step) for step in lengths)
-        length = configured or min(build.max_len(side), -(-longest // 64) * 64)
+    sides = sorted(per_step)
+    lengths, needs = {}, []
+    for side in sides:
         chunks = (build.chunks or {}).get(side, 1)
-        out[side] = packing.Capacity(packing.capacity_for(lengths, shards, length, chunks).rows, length)
-    return out
+        configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
+        if side in fixed_rows:
+            lengths[side] = build.pack_length(side)
+            needs.append(np.full(len(steps), fixed_rows[side]))     # (nothing measured: all steps alike)
+            continue
+        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks)
+        needs.append(np.array([packing.capacity_for([step], shards, lengths[side], chunks).rows
+                               for step in per_step[side]]))
+    needs = np.stack(needs, axis=1).reshape(len(steps), len(sides))
+    costs = np.array([packing.row_cost(lengths[side]) for side in sides])
+    shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
+    as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
+    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)))
+
+
+def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
+    """Per side, one packed capacity that holds every step listed (`measure_shapes` with one shape)."""
+    shapes = measure_shapes(build, steps, shards)
+    return shapes.capacities(shapes.largest)

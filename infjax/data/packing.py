@@ -129,6 +129,94 @@ def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length
     return Capacity(rows, length)
 
 
+# --------------------------------------------------------------------------
+# The shapes of a run: row length per side, and a few row counts (one compiled step each)
+# --------------------------------------------------------------------------
+
+# Cost model of a packed row: every token pays the dense layers once and attends over the whole row, so a
+# row of L tokens costs L * (1 + L / ATTENTION_SPAN) token-units. The span is the row length at which
+# attention would cost as much as the dense layers: its FLOPs alone put it at 2H + I tokens (2304 for
+# MiniLM, 4608 for BERT-base), and on CPU attention runs at about half the dense layers' speed.
+ATTENTION_SPAN = 1024
+LENGTH_STEP = 32             # row lengths are multiples of this ...
+BLOCKWISE_LENGTH = 128       # ... and, from 512 tokens on (blockwise attention), of its query block
+SAMPLE_STEPS = 64            # batches over which the row length is chosen
+
+
+def row_cost(length: int) -> float:
+    """Relative encoder cost of one packed row of `length` tokens (see ATTENTION_SPAN)."""
+    return length * (1 + length / ATTENTION_SPAN)
+
+
+def candidate_lengths(longest: int) -> list[int]:
+    """Row lengths worth trying for texts of at most `longest` tokens: multiples of LENGTH_STEP from `longest`
+    up to twice that (at least 128), those of 512 or more multiples of BLOCKWISE_LENGTH."""
+    low = -(-longest // LENGTH_STEP) * LENGTH_STEP
+    return [n for n in range(low, max(2 * low, 128) + 1, LENGTH_STEP) if n < 512 or n % BLOCKWISE_LENGTH == 0]
+
+
+def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunks: int = 1) -> int:
+    """The row length of least mean cost (rows a batch needs x row_cost) over the batches given (at most
+    SAMPLE_STEPS of them), among `candidate_lengths` of the longest text of all of them. A longer row holds
+    more texts, so less of it is padding, but each of its tokens attends over more of it."""
+    longest = max(max(lengths) for lengths in lengths_per_batch)
+    sample = lengths_per_batch[:SAMPLE_STEPS]
+    costs = {n: np.mean([capacity_for([lengths], shards, n, chunks).rows for lengths in sample]) * row_cost(n)
+             for n in candidate_lengths(longest)}
+    return min(costs, key=lambda n: (costs[n], n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """The packed shapes of a run: per side a row length, a few row counts per side (each set of counts is
+    one shape, i.e. one compiled train step), and the shape each step uses (`of_step`, its index into
+    `rows`). `largest` holds every step; steps past those measured take it."""
+
+    lengths: dict[str, int]
+    rows: tuple[dict[str, int], ...]
+    of_step: np.ndarray
+    largest: dict[str, int]
+
+    def capacities(self, rows: dict[str, int]) -> dict[str, Capacity]:
+        return {side: Capacity(n, self.lengths[side]) for side, n in rows.items()}
+
+    def at(self, step: int) -> dict[str, Capacity]:
+        """Capacities per side of the shape of `step`."""
+        if 0 <= step < len(self.of_step):
+            return self.capacities(self.rows[int(self.of_step[step])])
+        return self.capacities(self.largest)
+
+
+def choose_shapes(needs: np.ndarray, row_costs: np.ndarray, count: int, min_gain: float = 0.0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Up to `count` row-count vectors ("shapes") that hold every step, and each step's shape.
+
+    needs: [steps, sides] rows each step needs per side; row_costs: [sides] the cost of one row of each
+    side. The first shape is the most of every side (it holds every step); each further one is chosen
+    greedily among the steps' own needs as the one that lowers the run's total cost (each step running
+    in its cheapest shape that holds it) the most, while that lowers it by more than `min_gain` of the
+    total. Returns (shapes [n, sides], widest first; shape index of each step [steps]). Deterministic."""
+    distinct, inverse, counts = np.unique(needs, axis=0, return_inverse=True, return_counts=True)
+    inverse = np.asarray(inverse).reshape(-1)
+    cost = distinct @ row_costs                                          # [distinct]
+    holds = np.all(distinct[:, None, :] >= distinct[None, :, :], axis=-1)  # [candidate, need]
+    shapes = [needs.max(axis=0)]
+    current = np.full(len(distinct), shapes[0] @ row_costs)
+    while len(shapes) < count:
+        gain = (holds * np.maximum(current[None, :] - cost[:, None], 0) * counts[None, :]).sum(axis=1)
+        best = int(np.argmax(gain))
+        if gain[best] <= min_gain * float(current @ counts):
+            break
+        shapes.append(distinct[best])
+        current = np.where(holds[best], np.minimum(current, cost[best]), current)
+    shapes = np.stack(shapes)
+    fits = np.all(shapes[:, None, :] >= distinct[None, :, :], axis=-1)      # [shape, need]
+    choice = np.argmin(np.where(fits, (shapes @ row_costs)[:, None], np.inf), axis=0)
+    used = sorted(set(choice.tolist()), key=lambda i: (-float(shapes[i] @ row_costs), i))
+    remap = {old: new for new, old in enumerate(used)}
+    return shapes[used], np.array([remap[c] for c in choice[inverse]], np.int32)
+
+
 def best_fit_rows(lengths: Sequence[int], widths: Sequence[int]) -> list[tuple[int, list[int]]]:
     """Rows (width, text indices) holding every text, best fit by decreasing length over rows of mixed widths.
 

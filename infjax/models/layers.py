@@ -30,10 +30,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+def gelu_erf(x: jax.Array) -> jax.Array:
+    """The exact GELU as torch computes it, ``x/2 * (1 + erf(x/sqrt(2)))``. ``jax.nn.gelu(approximate=False)``
+    goes through ``erfc`` instead (more exact far in the negative tail, by < 1e-6 absolute): XLA:CPU runs
+    that as two branch-selecting fusions, and a MiniLM train step at 64/256 tokens takes ~10% longer."""
+    return 0.5 * x * (1 + jax.lax.erf(x * np.asarray(2 ** -0.5, x.dtype)))
+
+
 # Hugging Face activation names (ACT2FN) -> JAX functions. "gelu" is the exact
 # erf GELU; the tanh variants are the approximation.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu": gelu_erf,
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,

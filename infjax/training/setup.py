@@ -13,6 +13,7 @@ import logging
 import time
 
 import jax
+import numpy as np
 
 from infjax import losses
 from infjax.data import batches, synthetic
@@ -100,8 +101,9 @@ OVERRIDES = {"q": "pack_rows_query", "i": "pack_rows_query", "qo": "pack_rows_qu
 
 
 def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int) -> dict:
-    """The builder's packing fields: capacities per side (config overrides, else measured over the run) and,
-    under gradient caching, the chunks of each side (its texts / train.chunk_size), each packed apart."""
+    """The builder's packing fields: the packed shapes (row lengths, and up to data.pack_shapes sets of row
+    counts measured over the run; config overrides fix a side's rows) and, under gradient caching, the
+    chunks of each side (its texts / train.chunk_size), each packed apart."""
     data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     sides = build.side_texts(0, local=False)[0]
@@ -109,22 +111,27 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
     build = dataclasses.replace(build, chunks={side: len(texts) // chunk for side, texts in sides.items()}
                                 if chunk else None)
     t0 = time.perf_counter()
-    need = [side for side in sides if not config.data[OVERRIDES[side]]]
-    measured = batches.measure_capacities(build, range(total_steps(config, plan)), shards) if need else {}
-    capacities = {side: measured[side] if not config.data[OVERRIDES[side]] else
-                  batches.packing.Capacity(config.data[OVERRIDES[side]], build.pack_length(side)) for side in sides}
-    for side, cap in capacities.items():
+    steps = total_steps(config, plan)
+    fixed = {side: config.data[OVERRIDES[side]] for side in sides if config.data[OVERRIDES[side]]}
+    shapes = batches.measure_shapes(build, range(steps), shards, config.data.pack_shapes, fixed, PACK_SHAPE_GAIN)
+    for side in sorted(sides):
         chunks = (build.chunks or {}).get(side, 1)
         texts = len(sides[side]) // shards // chunks
-        source = f"data.{OVERRIDES[side]}" if config.data[OVERRIDES[side]] else "measured"
-        log.info("packing %-2s: %d rows x %d tokens per batch shard%s for %d texts of <= %d tokens (rows: %s)", side,
-                 cap.rows, cap.length, f" and chunk (x{chunks} chunks)" if build.chunks else "", texts,
+        rows = "/".join(str(r[side]) for r in shapes.rows)
+        source = f"data.{OVERRIDES[side]}" if side in fixed else "measured"
+        log.info("packing %-2s: %s rows x %d tokens per batch shard%s for %d texts of <= %d tokens (rows: %s)", side,
+                 rows, shapes.lengths[side], f" and chunk (x{chunks} chunks)" if build.chunks else "", texts,
                  build.max_len(side), source)
-    if need:
-        log.info("packing capacities measured over %d steps in %.1fs", total_steps(config, plan),
-                 time.perf_counter() - t0)
-    return {"capacities": capacities, "shards": shards // jax.process_count(), "chunks": build.chunks,
+    counts = np.bincount(shapes.of_step, minlength=len(shapes.rows))
+    log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d steps in %.1fs",
+             len(shapes.rows), "/".join(str(int(c)) for c in counts), steps, time.perf_counter() - t0)
+    return {"capacities": shapes.capacities(shapes.largest), "shapes": shapes,
+            "shards": shards // jax.process_count(), "chunks": build.chunks,
             "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
+
+
+# A further packed shape is compiled only if it lowers the run's packed encoder cost by more than this share.
+PACK_SHAPE_GAIN = 0.02
 
 
 def total_steps(config, plan: batches.BatchPlan) -> int:

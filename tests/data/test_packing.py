@@ -60,6 +60,42 @@ def test_pack_round_trip_and_overflow_names_the_input():
         packing.pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
 
 
+def test_chosen_row_length_is_the_least_cost_candidate_by_a_naive_count():
+    """choose_length against first_fit rows counted by hand; texts of ~45 tokens (the longest 64) are
+    packed two to a row of 96 rather than one to a row of 64."""
+    rng = np.random.default_rng(4)
+    steps = [list(np.clip(rng.normal(45, 8, size=48).astype(int), 20, 64)) for _ in range(6)]
+    steps[0][0] = 64
+    naive = {}
+    for n in range(64, 129, 32):
+        rows = [max(len(packing.first_fit(lengths[s * 24:(s + 1) * 24], n)) for s in range(2)) for lengths in steps]
+        naive[n] = np.mean(rows) * n * (1 + n / packing.ATTENTION_SPAN)
+    assert packing.candidate_lengths(64) == [64, 96, 128]
+    assert packing.choose_length(steps, shards=2) == min(naive, key=naive.get) == 96
+    assert packing.candidate_lengths(500) == [512, 640, 768, 896, 1024]       # blockwise rows: multiples of 128
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_chosen_shapes_hold_every_step_each_in_its_cheapest_shape(count):
+    rng = np.random.default_rng(count)
+    needs = np.stack([rng.integers(20, 35, size=200), rng.integers(5, 9, size=200), np.full(200, 4)], axis=1)
+    costs = np.array([300.0, 100.0, 50.0])
+    shapes, of_step = packing.choose_shapes(needs, costs, count)
+    assert 1 <= len(shapes) <= count and of_step.shape == (200,)
+    assert (shapes[0] == needs.max(axis=0)).all() or count > 1          # one shape: the most of every side
+    for need, k in zip(needs, of_step):                                # held, and by no cheaper shape
+        assert (shapes[k] >= need).all()
+        assert all(shapes[j] @ costs >= shapes[k] @ costs for j in range(len(shapes)) if (shapes[j] >= need).all())
+    assert set(of_step.tolist()) == set(range(len(shapes)))           # every shape is used
+    total = lambda c: float(sum(packing.choose_shapes(needs, costs, c)[0][packing.choose_shapes(  # noqa: E731
+        needs, costs, c)[1]] @ costs))
+    assert total(count) <= total(max(count - 1, 1)) and (count == 1 or total(count) < total(1))
+    again = packing.choose_shapes(needs, costs, count)
+    assert (again[0] == shapes).all() and (again[1] == of_step).all()
+    one, _ = packing.choose_shapes(needs, costs, count, min_gain=1.0)    # no further shape saves all the cost
+    assert len(one) == 1
+
+
 def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
     """Gradient caching packs chunk c of shard s apart: texts s*n + c, s*n + c + C, ... (n texts per shard)."""
     tokens = _tokens() * 3                               # 24 texts, 2 shards x 3 chunks x 4 texts
@@ -165,9 +201,17 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     records = setup_lib.load_training_records(config.data)
     obj = setup_lib.make_objective(config)
     build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
-    for step in range(config.train.steps):                      # every step fits, and some step fills a side
+    shapes = build.shapes
+    assert build.capacities == shapes.capacities(shapes.largest) and 1 <= len(shapes.rows) <= 3
+    for step in range(config.train.steps):                      # every step fits the rows of its shape
         batch = build(step)
-        assert all(batch[s]["mask"].shape[1] == c.rows for s, c in build.capacities.items())
+        assert all(batch[s]["mask"].shape[1:] == (c.rows, c.length) for s, c in shapes.at(step).items())
+    one = setup_lib.make_batch_setup(config_lib_override(config, {"data.pack_shapes": 1}), records, encoder, path,
+                                     obj, num_devices=8).build
+    assert len(one.shapes.rows) == 1 and one.shapes.rows[0] == shapes.largest
+    for side, c in build.capacities.items():                    # some step fills each side of the one shape
+        assert max(int((one(step)[side]["mask"].max(axis=-1) > 0).sum(axis=-1).max())
+                   for step in range(config.train.steps)) == c.rows
     tight = config_lib_override(config, {"data.pack_rows_negatives": 1})
     small = setup_lib.make_batch_setup(tight, records, encoder, path, obj, num_devices=8).build
     assert small.capacities["n"].rows == 1 and small.capacities["q"] == build.capacities["q"]
@@ -264,3 +308,31 @@ def test_a_checkpoint_from_before_packing_resumes():
     assert config_lib.incompatible_changes(old, current) == []
     other = json.loads(small_config(**{"data.packing": False, "data.pack_rows_query": 7}).to_json_best_effort())
     assert config_lib.incompatible_changes(other, current) == []
+
+
+@pytest.mark.slow      # ~90 s (five compiled steps); in CI
+def test_train_steps_over_several_packed_shapes_equal_one_shape():
+    """data.pack_shapes: InF-IR-shaped texts on 8 devices give steps of different packed shapes (each step
+    its own compiled program through the one jitted step); the losses and the parameters after 3 steps equal
+    those of packing every step into the one shape that holds them all."""
+    from infjax.benchmarks.train import Setup, inf_ir_shaped_records
+    from infjax.training import state as state_lib
+
+    records = inf_ir_shaped_records(256, seed=1)
+    runs = {}
+    for count in (3, 1):
+        config = small_config("uni_p", **{"data.pack_shapes": count, "data.query_max_len": 64,
+                                          "data.passage_max_len": 256, "train.batch_size": 16, "train.steps": 3})
+        setup = Setup(config, records)
+        state, _ = state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,
+                                                  setup.encoder.module, setup.mesh)
+        shapes, losses = set(), []
+        for step in range(3):
+            batch = setup.batch(step)
+            shapes.add((batch["q"]["ids"].shape, batch["p"]["ids"].shape))
+            state, metrics = setup.step(state, batch)
+            losses.append(float(metrics["loss"]))
+        runs[count] = shapes, losses, jax.device_get(state.params)
+    assert len(runs[3][0]) >= 2 and len(runs[1][0]) == 1
+    np.testing.assert_allclose(runs[3][1], runs[1][1], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), runs[3][2], runs[1][2])
