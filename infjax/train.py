@@ -399,6 +399,10 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
     complete checkpoint."""
     needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
     if free < needed:
+        try:
+            ckpts.finish()        # the previous save may still be landing: it is the one to name
+        except Exception as e:  # noqa: BLE001 - it failed too: say so, with its own message
+            raise _save_failed(ckpts, ckpts.pending, e) from e
         last = ckpts.complete_steps()
         raise CheckpointSaveError(
             f"cannot save checkpoint {step} in {ckpts.directory}: {free / 2**30:.2f} GiB free on its disk, one "

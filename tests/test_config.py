@@ -48,6 +48,8 @@ def test_default_preset_is_embedded_and_hub_presets_point_at_hub_ids():
     ("model.pooling", "max", "config.model.pooling='max'"),
     ("data.query_template", "{query}", "config.data.query_template"),
     ("data.on_bad_row", "ignore", "config.data.on_bad_row='ignore'"),
+    ("data.pack_shapes", 0, "config.data.pack_shapes=0: must be an integer >= 1"),
+    ("data.pack_rows_passage", -2, "config.data.pack_rows_passage=-2: must be an integer >= 0"),
     ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
     ("mesh.data", 3, "config.mesh.data=3"),
 ])

@@ -204,9 +204,11 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     fixed_rows = fixed_rows or {}
     lengths_of: dict[tuple[str, str], int] = {}
     per_step: dict[str, list[list[int]]] = {}
-    all_fixed = set(build.side_texts(steps[0], local=False)[0]) <= set(fixed_rows)
-    for step in steps[:1] if all_fixed else steps:
+    for step in steps:
         texts, _ = build.side_texts(step, local=False)
+        if set(texts) <= set(fixed_rows):          # every side's rows are fixed: nothing to measure
+            per_step = {side: [] for side in texts}
+            break
         for side, batch_texts in texts.items():
             if side in fixed_rows:
                 per_step.setdefault(side, [])
@@ -232,9 +234,3 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
     return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)))
-
-
-def measure_capacities(build: BatchBuilder, steps: range, shards: int) -> dict[str, packing.Capacity]:
-    """Per side, one packed capacity that holds every step listed (`measure_shapes` with one shape)."""
-    shapes = measure_shapes(build, steps, shards)
-    return shapes.capacities(shapes.largest)

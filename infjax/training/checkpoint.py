@@ -136,6 +136,15 @@ class Checkpoints:
             self.manager.check_for_errors()        # it may have failed between the two calls
             self._report()
 
+    def finish(self) -> None:
+        """Wait for the open background save (if any) and log it; raises its error if it failed."""
+        if self._unreported is None:
+            return
+        waited = time.perf_counter()
+        self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+        self._report(held_up=time.perf_counter() - waited)
+
     def _report(self, held_up: float = 0.0) -> None:
         """Log the open save as complete; `held_up`: seconds the loop has just waited for its end."""
         step, start, blocked = self._unreported

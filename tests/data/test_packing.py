@@ -87,8 +87,10 @@ def test_chosen_shapes_hold_every_step_each_in_its_cheapest_shape(count):
         assert (shapes[k] >= need).all()
         assert all(shapes[j] @ costs >= shapes[k] @ costs for j in range(len(shapes)) if (shapes[j] >= need).all())
     assert set(of_step.tolist()) == set(range(len(shapes)))           # every shape is used
-    total = lambda c: float(sum(packing.choose_shapes(needs, costs, c)[0][packing.choose_shapes(  # noqa: E731
-        needs, costs, c)[1]] @ costs))
+    def total(c):                                                     # the run's packed cost with c shapes
+        rows, steps_shape = packing.choose_shapes(needs, costs, c)
+        return float(sum(rows[steps_shape] @ costs))
+
     assert total(count) <= total(max(count - 1, 1)) and (count == 1 or total(count) < total(1))
     again = packing.choose_shapes(needs, costs, count)
     assert (again[0] == shapes).all() and (again[1] == of_step).all()

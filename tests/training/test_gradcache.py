@@ -50,7 +50,8 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
         sides = build.side_texts(0)[0]
         build = dataclasses.replace(build, shards=shards, pack_lengths={"query": 96, "passage": 96},
                                     chunks={side: len(texts) // chunk_size for side, texts in sides.items()})
-        build = dataclasses.replace(build, capacities=batches.measure_capacities(build, range(1), shards))
+        shapes = batches.measure_shapes(build, range(1), shards)
+        build = dataclasses.replace(build, capacities=shapes.capacities(shapes.largest))
         cached_batch = mesh_lib.global_batch(build(0), mesh)
     optimizer, _ = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)

@@ -301,6 +301,45 @@ def test_disk_filling_during_the_run_stops_naming_the_last_complete_checkpoint(t
     assert errors.exit_code(train.CheckpointSaveError("x")) == 3
 
 
+class _LandingSave:
+    """A stand-in for Orbax's manager whose open save of `step` lands (its folder appears) only when waited
+    for, or fails then: the moment at which the free-space check of the next save looks at the folder."""
+
+    def __init__(self, directory, step, error=None):
+        self.directory, self.step, self.error = directory, step, error
+
+    def wait_until_finished(self):
+        if self.error is not None:
+            raise self.error
+        os.makedirs(os.path.join(self.directory, str(self.step)), exist_ok=True)
+
+    def check_for_errors(self):
+        pass
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["lands", "fails"])
+def test_a_full_disk_waits_for_the_open_save_before_naming_the_last_complete_one(tmp_path, monkeypatch, fails):
+    """CI once saw 'no checkpoint of this run is complete' while checkpoint 1 was still landing in the background:
+    the check must wait for the open save, then name it (or say that it failed too)."""
+    ckpts = checkpoint.Checkpoints(str(tmp_path / "w"))
+    ckpts.manager.close()
+    ckpts.manager = _LandingSave(ckpts.directory, 1, OSError(28, "No space left on device") if fails else None)
+    ckpts.pending, ckpts._unreported = 1, (1, 0.0, 0.0)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 2**20)
+    state = {"w": np.zeros((2**19,), np.float32)}                 # 2 MiB: does not fit
+    with pytest.raises(train.CheckpointSaveError) as e:
+        train.save_checkpoint(ckpts, 2, state, {}, {})
+    if fails:
+        assert re.search(r"saving checkpoint 1 in .* failed: .*No space left.*no checkpoint of this run is "
+                         r"complete", str(e.value)), str(e.value)
+    else:
+        assert re.search(r"cannot save checkpoint 2 .*0.00 GiB free.*the last complete checkpoint is "
+                         r".*checkpoints/1 \(resume", str(e.value)), str(e.value)
+
+
 @pytest.mark.slow
 def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_folder(tmp_path):
     """Each file is limited to 20 MB (ulimit -f): the first checkpoint's writes fail inside Orbax."""
