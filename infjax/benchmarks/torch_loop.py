@@ -63,8 +63,9 @@ def main(path: str) -> None:
         return dict(tok(texts, padding=True, truncation=True, max_length=max_len, return_tensors="pt"))
 
     batches = [(features(q, job["query_max_len"]), features(p, job["passage_max_len"])) for q, p in job["steps"]]
-    real = sum(int(b[s]["attention_mask"].sum()) for b in batches for s in (0, 1))
-    padded = sum(int(b[s]["attention_mask"].numel()) for b in batches for s in (0, 1))
+    timed_batches = batches[job["warmup"]:]                   # token counts: of the timed steps, as infjax's
+    real = sum(int(b[s]["attention_mask"].sum()) for b in timed_batches for s in (0, 1))
+    padded = sum(int(b[s]["attention_mask"].numel()) for b in timed_batches for s in (0, 1))
     times = []
     for q, p in batches:
         t0 = time.perf_counter()
@@ -79,7 +80,8 @@ def main(path: str) -> None:
         times.append(time.perf_counter() - t0)
     timed = times[job["warmup"]:]
     print(json.dumps({"step_s": float(np.median(timed)), "step_times": timed, "real_share": real / padded,
-                      "threads": torch.get_num_threads(),
+                      "tokens_per_step": padded / len(timed_batches),
+                      "real_tokens_per_step": real / len(timed_batches), "threads": torch.get_num_threads(),
                       "max_rss_mib": peak_rss_mib()}))
 
 

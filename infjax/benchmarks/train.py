@@ -191,7 +191,7 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
             "flops_per_step_per_device": flops, "shapes": len(compiled),
             "mfu": (flops / seconds / peak) if peak and flops else None,
             "peak_memory_per_device_bytes": max(peak_bytes(c) for c in compiled.values()),
-            "real_share": real / padded,
+            "real_share": real / padded, "tokens_per_step": padded, "real_tokens_per_step": real,
             "step_times": times, "setup": setup}
 
 
@@ -264,6 +264,12 @@ def main(argv: list[str]) -> None:
               f"(median of {fv.steps})  {r['rows_per_step'] / t['step_s']:.1f} examples/s  real share "
               f"{100 * t['real_share']:.0f}%  max RSS {t['max_rss_mib']:.0f} MiB")
         print(f"ratio infjax / pytorch: {t['step_s'] / r['step_s']:.2f}x")
+        # Where dense matmuls dominate (CPU), the step's time follows its encoder tokens: their ratio is the
+        # speed-up that equal per-token speed would give, and the per-token times say how far each is from it.
+        mine, theirs = r["tokens_per_step"], t["tokens_per_step"]
+        print(f"encoder tokens per step: infjax {mine:.0f} in packed buffers ({r['real_tokens_per_step']:.0f} real), "
+              f"pytorch {theirs:.0f} padded ({t['real_tokens_per_step']:.0f} real); ratio {theirs / mine:.2f}x; "
+              f"per token: infjax {r['step_s'] / mine * 1e6:.0f} us, pytorch {t['step_s'] / theirs * 1e6:.0f} us")
 
 
 def _max_rss_mib() -> float:
