@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+
 def gelu_erf(x: jax.Array) -> jax.Array:
     """The exact GELU as torch computes it, ``x/2 * (1 + erf(x/sqrt(2)))``. ``jax.nn.gelu(approximate=False)``
     goes through ``erfc`` instead (more exact far in the negative tail, by < 1e-6 absolute): XLA:CPU runs

@@ -138,12 +138,11 @@ class Checkpoints:
 
     def finish(self) -> None:
         """Wait for the open background save (if any) and log it; raises its error if it failed."""
-        if self._unreported is None:
-            return
         waited = time.perf_counter()
         self.manager.wait_until_finished()
         self.manager.check_for_errors()
-        self._report(held_up=time.perf_counter() - waited)
+        if self._unreported is not None:
+            self._report(held_up=time.perf_counter() - waited)
 
     def _report(self, held_up: float = 0.0) -> None:
         """Log the open save as complete; `held_up`: seconds the loop has just waited for its end."""
@@ -256,10 +255,6 @@ class Checkpoints:
             return
         self._closed = True
         try:
-            waited = time.perf_counter()
-            self.manager.wait_until_finished()
-            self.manager.check_for_errors()
-            if self._unreported is not None:
-                self._report(held_up=time.perf_counter() - waited)
+            self.finish()
         finally:
             self.manager.close()
