@@ -9,7 +9,9 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["infjax", "infjax.*"]),
     # the curation prompt templates (infjax/curation/prompts/<stage>.<version>.txt)
-    package_data={"infjax.curation.prompts": ["*.txt"]},
+    package_data={"infjax.curation.prompts": ["*.txt"],
+                  # the CPU attention kernel's source, compiled on first use (infjax/models/cpu_attention.py)
+                  "infjax.models": ["*.cc"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",

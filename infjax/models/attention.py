@@ -13,8 +13,18 @@ Segments are contiguous runs of a row, so "positions away" is the index
 distance. A padding token (segment 0) attends to nothing; its output is a
 uniform average (no NaN) that no pooling ever reads.
 
-Implementations (``impl``; "auto" picks by platform):
+Implementations (``impl``; "auto" picks by platform, unless the environment
+variable ``INFJAX_ATTENTION`` names one of them):
 
+- ``"kernel"`` (CPU): a fused C++ kernel through the XLA FFI
+  (``cpu_attention``), compiled on first use; float32, head sizes 16, 32, 64
+  and 128, no attention dropout. It computes only the keys of each query's
+  own segment and keeps a few rows' scores in cache at a time: one MiniLM
+  layer's forward + backward over a 64/256 step's packed passages ([34, 256],
+  12 heads of 32) takes ~90 ms against ~300 ms on the explicit path (torch's
+  fused CPU attention: ~110 ms). "auto" takes it on CPU whenever it applies
+  and could be built; otherwise the explicit path. Padding tokens (segment 0)
+  get a zero output.
 - ``"xla"``: ``jax.nn.dot_product_attention`` with the boolean mask (GPU, TPU).
 - ``"explicit"``: scores in float32 over [B, N, T, S] in the head-major
   layout, normalised after the value product. On XLA:CPU this is 2.4x faster
@@ -37,13 +47,17 @@ Implementations (``impl``; "auto" picks by platform):
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("auto", "xla", "explicit", "splash")
+from infjax.models import cpu_attention
+
+IMPLS = ("auto", "xla", "explicit", "kernel", "splash")
+ENV = "INFJAX_ATTENTION"     # environment override of "auto"
 BLOCK = 128                  # query rows per block of the explicit path's blockwise form
 BLOCKWISE_FROM = 512         # rows at least this long take the blockwise form (shorter: one pass)
 
@@ -75,11 +89,18 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 def resolve_impl(impl: str) -> str:
+    """`impl`, or for "auto" the platform's choice ("kernel" stands for "kernel where it applies" on CPU)."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+    if impl == "auto":
+        impl = os.environ.get(ENV, "auto") or "auto"
+        if impl not in IMPLS:
+            raise ValueError(f"${ENV}={impl!r} is not one of {IMPLS}")
     if impl != "auto":
         return impl
-    return "explicit" if jax.default_backend() == "cpu" else "xla"
+    if jax.default_backend() != "cpu":
+        return "xla"
+    return "kernel" if cpu_attention.available() else "explicit"
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,
@@ -94,6 +115,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     ``BLOCKWISE_FROM`` tokens or more, else the whole row.
     """
     impl = resolve_impl(impl)
+    if impl == "kernel" and dropout is None and cpu_attention.supports(q, k):
+        if not cpu_attention.available():
+            raise RuntimeError("attention impl 'kernel': the CPU attention kernel could not be built (see the "
+                               "warning above)")
+        return cpu_attention.attention(q, k, v, segment_ids, causal=causal, window=window)
     if impl == "splash" and dropout is None:
         return _splash(q, k, v, segment_ids, causal, window)
     if impl == "xla" and dropout is None:

@@ -1,0 +1,119 @@
+"""The fused CPU attention kernel (infjax/models/cpu_attention.cc through the XLA FFI) against XLA's own
+attention: outputs and gradients under every mask the backbones use, on the sharded 8-device mesh, and the
+build cache that compiles it once per machine."""
+import os
+import stat
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from infjax.models import attention as A
+from infjax.models import cpu_attention as C
+
+pytestmark = pytest.mark.skipif(not C.available(), reason="no C++ compiler to build the CPU attention kernel")
+
+
+def _segments(t):
+    """Three rows: two texts then padding; one-token texts beside a long one; padding only."""
+    seg = np.zeros((3, t), np.int32)
+    seg[0, :10], seg[0, 10:t - 5] = 1, 2
+    seg[1, 0], seg[1, 1], seg[1, 2:t - 1] = 1, 2, 3
+    return jnp.asarray(seg)
+
+
+def _check_against_xla(q, k, v, seg, **mask):
+    real = (seg > 0)[:, :, None, None]
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32) * real
+
+    def loss(impl):
+        return lambda q, k, v: jnp.sum(A.attention(q, k, v, seg, impl=impl, **mask) * weights)
+    out = A.attention(q, k, v, seg, impl="kernel", **mask)
+    ref = A.attention(q, k, v, seg, impl="xla", **mask)
+    np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=2e-6)
+    assert not np.any(np.asarray(out)[~np.asarray(seg > 0)])          # padding rows: zero
+    got = jax.grad(loss("kernel"), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5 * float(np.max(np.abs(b))), err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("d,heads,kv_heads,t,causal,window", [
+    (32, 4, 4, 37, False, None),      # MiniLM head size; a length that is no multiple of the 16-key tile
+    (64, 4, 2, 50, True, None),       # grouped-query decoder
+    (16, 2, 1, 40, False, 5),         # ModernBERT's local window inside segments
+    (128, 2, 2, 33, True, 7),         # causal and windowed at once
+])
+def test_kernel_equals_xla_outputs_and_gradients(d, heads, kv_heads, t, causal, window):
+    rng = np.random.default_rng(0)
+    seg = _segments(t)
+    q = jnp.asarray(rng.normal(size=(3, t, heads, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(3, t, kv_heads, d)), jnp.float32) for _ in range(2))
+    _check_against_xla(q, k, v, seg, causal=causal, window=window)
+
+
+def test_kernel_takes_a_traced_window():
+    """ModernBERT's scanned layers pass the window as a traced scalar, -1 on the global layers."""
+    rng = np.random.default_rng(0)
+    seg = _segments(24)
+    q, k, v = (jnp.asarray(rng.normal(size=(3, 24, 2, 32)), jnp.float32) for _ in range(3))
+    run = jax.jit(lambda w: A.attention(q, k, v, seg, window=w, impl="kernel"))
+    real = np.asarray(seg > 0)
+    for traced, fixed in ((jnp.int32(3), 3), (jnp.int32(-1), None)):
+        np.testing.assert_allclose(np.asarray(run(traced))[real],
+                                   np.asarray(A.attention(q, k, v, seg, window=fixed, impl="xla"))[real], atol=2e-6)
+
+
+def test_key_ranges_are_the_segment_cut_by_the_masks():
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]])
+    lo, hi = C.key_ranges(seg, causal=False, window=None)
+    assert lo.tolist() == [[0, 0, 0, 3, 3, 0]] and hi.tolist() == [[3, 3, 3, 5, 5, 0]]
+    lo, hi = C.key_ranges(seg, causal=True, window=1)
+    assert lo.tolist() == [[0, 0, 1, 3, 3, 0]] and hi.tolist() == [[1, 2, 3, 4, 5, 0]]
+
+
+def test_kernel_runs_on_each_devices_rows_of_a_sharded_batch():
+    """Under the 8-device mesh the batch stays split: no all-gather in the compiled step, same numbers."""
+    mesh = jax.make_mesh((8,), ("data",))
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(16, 24, 2, 32)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray(np.repeat(np.array([[1] * 10 + [2] * 10 + [0] * 4]), 16, axis=0))
+
+    def grads(q, k, v, seg):
+        return jax.grad(lambda q, k, v: jnp.sum(A.attention(q, k, v, seg, impl="kernel") ** 2), (0, 1, 2))(q, k, v)
+    sharded = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v, seg)]
+    step = jax.jit(grads)
+    assert "all-gather" not in step.lower(*sharded).compile().as_text()
+    for a, b in zip(step(*sharded), jax.jit(grads)(q, k, v, seg)):
+        assert a.sharding.spec[0] == "data"
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_auto_takes_the_kernel_on_cpu_and_the_environment_overrides_it(monkeypatch):
+    assert A.resolve_impl("auto") == "kernel"
+    monkeypatch.setenv(A.ENV, "explicit")
+    assert A.resolve_impl("auto") == "explicit"
+    assert A.resolve_impl("kernel") == "kernel"
+    monkeypatch.setenv(A.ENV, "fast")
+    with pytest.raises(ValueError, match="INFJAX_ATTENTION='fast'"):
+        A.resolve_impl("auto")
+
+
+def test_build_compiles_once_into_the_cache_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("INFJAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    first = C._build()
+    stamp = first.stat().st_mtime_ns
+    assert C._build() == first and first.stat().st_mtime_ns == stamp       # the second call reuses the file
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
+
+    broken = tmp_path / "cxx"                 # a compiler that answers --version but fails to compile
+    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken-cxx 1.0; exit 0; fi\n"
+                      "echo 'error: no space left' >&2; exit 1\n")
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv("INFJAX_KERNEL_CACHE", str(tmp_path / "other"))
+    with pytest.raises(RuntimeError, match="failed to build cpu_attention.cc:\nerror: no space left"):
+        C._build()
+    assert os.listdir(tmp_path / "other") == []
