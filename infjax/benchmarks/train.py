@@ -253,7 +253,8 @@ def main(argv: list[str]) -> None:
           f"{100 * r['real_share']:.0f}%)")
     mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis: a loop body counts "
-          f"once, so scanned layers and blockwise attention are undercounted); MFU {mfu}; "
+          f"once, so scanned layers and blockwise attention are undercounted; the CPU attention kernel is not "
+          f"counted); MFU {mfu}; "
           f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device (compiled); process max RSS "
           f"{_max_rss_mib():.0f} MiB")
     if fv.vs_torch:
