@@ -191,13 +191,14 @@ def real_tokens(batch: dict) -> int:
 
 
 def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: int = 1,
-                   fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0) -> packing.Shapes:
+                   fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0,
+                   span: float = packing.ATTENTION_SPAN) -> packing.Shapes:
     """The packed shapes of the steps listed: per side a row length and up to `max_shapes` sets of row
     counts per batch shard (or per chunk of one under gradient caching), each step in its cheapest set.
 
     The row length is the side's configured pack length, else the one of least cost over the first steps
-    (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps).
-    `fixed_rows` (side -> rows, from the config) are not measured: those sides keep those rows in every
+    (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps; `span`:
+    the attention cost model, ``packing.row_cost``). `fixed_rows` (side -> rows, from the config) are not measured: those sides keep those rows in every
     shape. Every process measures the global batches, so all agree on the shapes. Texts are tokenized
     once each.
     """
@@ -226,11 +227,11 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
             lengths[side] = build.pack_length(side)
             needs.append(np.full(len(steps), fixed_rows[side]))     # (nothing measured: all steps alike)
             continue
-        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks)
+        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span)
         needs.append(np.array([packing.capacity_for([step], shards, lengths[side], chunks).rows
                                for step in per_step[side]]))
     needs = np.stack(needs, axis=1).reshape(len(steps), len(sides))
-    costs = np.array([packing.row_cost(lengths[side]) for side in sides])
+    costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
     return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)))

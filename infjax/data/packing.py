@@ -133,19 +133,22 @@ def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length
 # The shapes of a run: row length per side, and a few row counts (one compiled step each)
 # --------------------------------------------------------------------------
 
-# Cost model of a packed row: every token pays the dense layers once and attends over the whole row, so a
-# row of L tokens costs L * (1 + L / ATTENTION_SPAN) token-units. The span is the row length at which
-# attention would cost as much as the dense layers: its FLOPs alone put it at 2H + I tokens (2304 for
-# MiniLM, 4608 for BERT-base), and on CPU attention runs at about half the dense layers' speed.
+# Cost model of a packed row: every token pays the dense layers once and, where attention computes the
+# whole row, attends over the whole row, so a row of L tokens costs L * (1 + L / span) token-units. The span
+# is the row length at which attention would cost as much as the dense layers: its FLOPs alone put it at
+# 2H + I tokens (2304 for MiniLM, 4608 for BERT-base), and on CPU whole-row attention runs at about half the
+# dense layers' speed. Attention that computes only each text's own keys (the CPU kernel,
+# models/attention.costs_per_text) costs a text the same in any row: its span is infinite, a row costs its
+# length, and the longest rows that waste the least padding win.
 ATTENTION_SPAN = 1024
 LENGTH_STEP = 32             # row lengths are multiples of this ...
 BLOCKWISE_LENGTH = 128       # ... and, from 512 tokens on (blockwise attention), of its query block
 SAMPLE_STEPS = 64            # batches over which the row length is chosen
 
 
-def row_cost(length: int) -> float:
-    """Relative encoder cost of one packed row of `length` tokens (see ATTENTION_SPAN)."""
-    return length * (1 + length / ATTENTION_SPAN)
+def row_cost(length: int, span: float = ATTENTION_SPAN) -> float:
+    """Relative encoder cost of one packed row of `length` tokens (see ATTENTION_SPAN; math.inf: per text)."""
+    return length * (1 + length / span)
 
 
 def candidate_lengths(longest: int) -> list[int]:
@@ -155,13 +158,14 @@ def candidate_lengths(longest: int) -> list[int]:
     return [n for n in range(low, max(2 * low, 128) + 1, LENGTH_STEP) if n < 512 or n % BLOCKWISE_LENGTH == 0]
 
 
-def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunks: int = 1) -> int:
-    """The row length of least mean cost (rows a batch needs x row_cost) over the batches given (at most
-    SAMPLE_STEPS of them), among `candidate_lengths` of the longest text of all of them. A longer row holds
-    more texts, so less of it is padding, but each of its tokens attends over more of it."""
+def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunks: int = 1,
+                  span: float = ATTENTION_SPAN) -> int:
+    """The row length of least mean cost (rows a batch needs x row_cost(length, span)) over the batches given
+    (at most SAMPLE_STEPS of them), among `candidate_lengths` of the longest text of all of them. A longer row
+    holds more texts, so less of it is padding, but (finite span) each of its tokens attends over more of it."""
     longest = max(max(lengths) for lengths in lengths_per_batch)
     sample = lengths_per_batch[:SAMPLE_STEPS]
-    costs = {n: np.mean([capacity_for([lengths], shards, n, chunks).rows for lengths in sample]) * row_cost(n)
+    costs = {n: np.mean([capacity_for([lengths], shards, n, chunks).rows for lengths in sample]) * row_cost(n, span)
              for n in candidate_lengths(longest)}
     return min(costs, key=lambda n: (costs[n], n))
 

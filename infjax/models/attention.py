@@ -103,6 +103,15 @@ def resolve_impl(impl: str) -> str:
     return "kernel" if cpu_attention.available() else "explicit"
 
 
+def costs_per_text(head_dim: int, dtype: Any, dropout: bool = False) -> bool:
+    """Whether `attention` (impl "auto") computes only each text's own keys for these inputs, so that a packed
+    row's attention costs the sum of its texts' squared lengths, not its own squared length: true of the CPU
+    kernel. The other paths compute the whole row ("splash" skips fully masked blocks only), as does any
+    path with attention dropout (`dropout`: the run applies the checkpoint's dropout)."""
+    return (not dropout and resolve_impl("auto") == "kernel" and jnp.dtype(dtype) == jnp.float32
+            and head_dim in cpu_attention.HEAD_SIZES and cpu_attention.available())
+
+
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,
               window: int | None = None, dropout: nn.Dropout | None = None, impl: str = "auto",
               block: int | None = None) -> jax.Array:

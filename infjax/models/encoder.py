@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import interaction
+from infjax.models import attention, interaction
 from infjax.models.hf import files as hf_files
 from infjax.models.pooling import l2_normalize, pool, pool_packed
 from infjax.models.registry import Family, by_model_type
@@ -35,6 +35,11 @@ class Encoder:
     def with_activation_sharding(self, sharding) -> "Encoder":
         """The same encoder with its backbone's between-layer activations held at `sharding`."""
         return dataclasses.replace(self, module=self.module.clone(activation_sharding=sharding))
+
+    def attention_costs_per_text(self, dropout: bool = False) -> bool:
+        """Whether its attention costs each packed text its own length squared, whatever the row it shares
+        (`attention.costs_per_text`; `dropout`: trained with the checkpoint's dropout)."""
+        return attention.costs_per_text(self.module.config.head_dim, self.module.dtype, dropout)
 
     def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
         """Float32 token states [N, L, H] of token ids [N, L]."""

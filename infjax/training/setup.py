@@ -10,18 +10,20 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 
 import jax
 import numpy as np
 
 from infjax import losses
-from infjax.data import batches, synthetic
+from infjax.data import batches, packing, synthetic
 from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 from infjax.models.hf import files as hf_files
 from infjax.models.encoder import Encoder
+from infjax.training import distributed
 from infjax.training import mesh as mesh_lib
 from infjax.training import step as step_lib
 
@@ -92,7 +94,8 @@ def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: 
     if config.data.packing:
         build = dataclasses.replace(build, pack_lengths={"query": config.data.pack_length_query,
                                                          "passage": config.data.pack_length_passage})
-        build = dataclasses.replace(build, **packed_layout(config, build, plan, num_devices or jax.device_count()))
+        build = dataclasses.replace(build, **packed_layout(config, build, plan, num_devices or jax.device_count(),
+                                                                  encoder))
     return BatchSetup(tokenizer, fmt, plan, build)
 
 
@@ -100,10 +103,12 @@ OVERRIDES = {"q": "pack_rows_query", "i": "pack_rows_query", "qo": "pack_rows_qu
              "n": "pack_rows_negatives"}
 
 
-def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int) -> dict:
+def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int,
+                  encoder: Encoder | None = None) -> dict:
     """The builder's packing fields: the packed shapes (row lengths, and up to data.pack_shapes sets of row
     counts measured over the run; config overrides fix a side's rows) and, under gradient caching, the
-    chunks of each side (its texts / train.chunk_size), each packed apart."""
+    chunks of each side (its texts / train.chunk_size), each packed apart. Row lengths are costed by the
+    `encoder`'s attention (`attention_span`)."""
     data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
     sides = build.side_texts(0, local=False)[0]
@@ -113,7 +118,9 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
     t0 = time.perf_counter()
     steps = total_steps(config, plan)
     fixed = {side: config.data[OVERRIDES[side]] for side in sides if config.data[OVERRIDES[side]]}
-    shapes = batches.measure_shapes(build, range(steps), shards, config.data.pack_shapes, fixed, PACK_SHAPE_GAIN)
+    span = attention_span(encoder, config.model.dropout)
+    shapes = batches.measure_shapes(build, range(steps), shards, config.data.pack_shapes, fixed, PACK_SHAPE_GAIN,
+                                    span)
     for side in sorted(sides):
         chunks = (build.chunks or {}).get(side, 1)
         texts = len(sides[side]) // shards // chunks
@@ -123,11 +130,22 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
                  rows, shapes.lengths[side], f" and chunk (x{chunks} chunks)" if build.chunks else "", texts,
                  build.max_len(side), source)
     counts = np.bincount(shapes.of_step, minlength=len(shapes.rows))
-    log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d steps in %.1fs",
-             len(shapes.rows), "/".join(str(int(c)) for c in counts), steps, time.perf_counter() - t0)
+    log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d steps in %.1fs;"
+             " row cost: %s", len(shapes.rows), "/".join(str(int(c)) for c in counts), steps,
+             time.perf_counter() - t0, "tokens (attention per text)" if math.isinf(span) else
+             f"tokens x (1 + length / {span:g}) (attention over the whole row)")
     return {"capacities": shapes.capacities(shapes.largest), "shapes": shapes,
             "shards": shards // jax.process_count(), "chunks": build.chunks,
             "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
+
+
+def attention_span(encoder: Encoder | None, dropout: bool) -> float:
+    """`packing.row_cost`'s span for this encoder: infinite where its attention costs per text (the CPU
+    kernel), else packing.ATTENTION_SPAN. Every process must agree, since the shapes must: one whose
+    attention would cover whole rows (e.g. no compiler for the kernel) makes all of them cost whole rows."""
+    per_text = encoder is not None and encoder.attention_costs_per_text(dropout)
+    whole_row = distributed.max_over_processes(int(not per_text))
+    return packing.ATTENTION_SPAN if whole_row else math.inf
 
 
 # A further packed shape is compiled only if it lowers the run's packed encoder cost by more than this share.

@@ -75,6 +75,21 @@ def test_chosen_row_length_is_the_least_cost_candidate_by_a_naive_count():
     assert packing.candidate_lengths(500) == [512, 640, 768, 896, 1024]       # blockwise rows: multiples of 128
 
 
+def test_with_attention_per_text_the_row_length_of_least_padding_wins():
+    """Span infinite (the CPU kernel): a row costs its tokens, so choose_length takes the candidate of fewest
+    tokens in rows (counted by hand), here longer rows than the whole-row cost model's choice."""
+    rng = np.random.default_rng(5)
+    steps = [list(np.clip(rng.normal(150, 50, size=48).astype(int), 30, 256)) for _ in range(6)]
+    steps[0][0] = 256
+    tokens = {n: np.mean([len(packing.first_fit(lengths, n)) for lengths in steps]) * n
+              for n in packing.candidate_lengths(256)}
+    whole_row = {n: t * (1 + n / packing.ATTENTION_SPAN) for n, t in tokens.items()}
+    per_text = packing.choose_length(steps, shards=1, span=float("inf"))
+    assert per_text == min(tokens, key=lambda n: (tokens[n], n))
+    assert packing.choose_length(steps, shards=1) == min(whole_row, key=whole_row.get) < per_text
+    assert packing.row_cost(512, float("inf")) == 512 and packing.row_cost(512) == 512 * 1.5
+
+
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
 def test_chosen_shapes_hold_every_step_each_in_its_cheapest_shape(count):
     rng = np.random.default_rng(count)

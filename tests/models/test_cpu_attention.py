@@ -117,3 +117,22 @@ def test_build_compiles_once_into_the_cache_and_a_failed_build_leaves_nothing(tm
     with pytest.raises(RuntimeError, match="failed to build cpu_attention.cc:\nerror: no space left"):
         C._build()
     assert os.listdir(tmp_path / "other") == []
+
+
+def test_packing_costs_rows_per_text_only_where_the_kernel_runs(monkeypatch):
+    """The packed-shape chooser's attention cost (training/setup.attention_span): per text (infinite span)
+    with the kernel, whole rows with attention dropout, bfloat16, an unsupported head size or another path."""
+    from infjax.data import packing
+    from infjax.models.encoder import load_encoder
+    from infjax.training import setup as setup_lib
+    from tests.helpers.configs import small_config
+
+    assert A.costs_per_text(32, jnp.float32)
+    assert not A.costs_per_text(32, jnp.float32, dropout=True)
+    assert not A.costs_per_text(32, jnp.bfloat16) and not A.costs_per_text(48, jnp.float32)
+    encoder = load_encoder(small_config("multi_pi").model).encoder           # MiniLM: 12 heads of 32
+    assert setup_lib.attention_span(encoder, dropout=False) == float("inf")
+    assert setup_lib.attention_span(encoder, dropout=True) == packing.ATTENTION_SPAN
+    monkeypatch.setenv(A.ENV, "explicit")
+    assert not A.costs_per_text(32, jnp.float32)
+    assert setup_lib.attention_span(encoder, dropout=False) == packing.ATTENTION_SPAN
