@@ -198,9 +198,9 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
 
     The row length is the side's configured pack length, else the one of least cost over the first steps
     (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps; `span`:
-    the attention cost model, ``packing.row_cost``). `fixed_rows` (side -> rows, from the config) are not measured: those sides keep those rows in every
-    shape. Every process measures the global batches, so all agree on the shapes. Texts are tokenized
-    once each.
+    the attention cost model, ``packing.row_cost``). `fixed_rows` (side -> rows, from the config) are not
+    measured: those sides keep those rows in every shape. Every process measures the global batches, so all
+    agree on the shapes. Texts are tokenized once each.
     """
     fixed_rows = fixed_rows or {}
     lengths_of: dict[tuple[str, str], int] = {}
