@@ -108,8 +108,8 @@ def costs_per_text(head_dim: int, dtype: Any, dropout: bool = False) -> bool:
     row's attention costs the sum of its texts' squared lengths, not its own squared length: true of the CPU
     kernel. The other paths compute the whole row ("splash" skips fully masked blocks only), as does any
     path with attention dropout (`dropout`: the run applies the checkpoint's dropout)."""
-    return (not dropout and resolve_impl("auto") == "kernel" and jnp.dtype(dtype) == jnp.float32
-            and head_dim in cpu_attention.HEAD_SIZES and cpu_attention.available())
+    return (not dropout and resolve_impl("auto") == "kernel" and cpu_attention.takes(head_dim, dtype)
+            and cpu_attention.available())
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,

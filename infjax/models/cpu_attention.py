@@ -96,34 +96,32 @@ def _build() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> str | None:
-    """Builds and registers the kernel once per process; None when it is ready, else the reason it is not."""
+def _load() -> bool:
+    """Builds and registers the kernel once per process; whether it is ready (if not, logs why, once)."""
     import ctypes
     try:
         library = ctypes.CDLL(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        return str(err)
+        log.warning("the CPU attention kernel is unavailable, attention takes the explicit XLA path: %s", err)
+        return False
     jax.ffi.register_ffi_target(_FORWARD, jax.ffi.pycapsule(library.InfjaxAttentionForward), platform="cpu")
     jax.ffi.register_ffi_target(_BACKWARD, jax.ffi.pycapsule(library.InfjaxAttentionBackward), platform="cpu")
-    return None
+    return True
 
 
 def available() -> bool:
-    """Whether the kernel is built and registered (building it on the first call); logs why not, once."""
-    reason = _load()
-    if reason is not None:
-        _warn_once(reason)
-    return reason is None
+    """Whether the kernel is built and registered (building it on the first call; logs why not, once)."""
+    return _load()
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_once(reason: str) -> None:
-    log.warning("the CPU attention kernel is unavailable, attention takes the explicit XLA path: %s", reason)
+def takes(head_dim: int, dtype) -> bool:
+    """Whether the kernel takes inputs of this head size and dtype (float32, a supported head size)."""
+    return jnp.dtype(dtype) == jnp.float32 and head_dim in HEAD_SIZES
 
 
 def supports(q: jax.Array, k: jax.Array) -> bool:
-    """Whether the kernel takes these inputs (float32, a supported head size)."""
-    return q.dtype == k.dtype == jnp.float32 and q.shape[-1] in HEAD_SIZES
+    """Whether the kernel takes these inputs."""
+    return q.dtype == k.dtype and takes(q.shape[-1], q.dtype)
 
 
 def key_ranges(segment_ids: jax.Array, causal: bool, window: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:

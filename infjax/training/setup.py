@@ -104,7 +104,7 @@ OVERRIDES = {"q": "pack_rows_query", "i": "pack_rows_query", "qo": "pack_rows_qu
 
 
 def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, num_devices: int,
-                  encoder: Encoder | None = None) -> dict:
+                  encoder: Encoder) -> dict:
     """The builder's packing fields: the packed shapes (row lengths, and up to data.pack_shapes sets of row
     counts measured over the run; config overrides fix a side's rows) and, under gradient caching, the
     chunks of each side (its texts / train.chunk_size), each packed apart. Row lengths are costed by the
@@ -139,12 +139,11 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
             "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
 
 
-def attention_span(encoder: Encoder | None, dropout: bool) -> float:
+def attention_span(encoder: Encoder, dropout: bool) -> float:
     """`packing.row_cost`'s span for this encoder: infinite where its attention costs per text (the CPU
     kernel), else packing.ATTENTION_SPAN. Every process must agree, since the shapes must: one whose
     attention would cover whole rows (e.g. no compiler for the kernel) makes all of them cost whole rows."""
-    per_text = encoder is not None and encoder.attention_costs_per_text(dropout)
-    whole_row = distributed.max_over_processes(int(not per_text))
+    whole_row = distributed.max_over_processes(int(not encoder.attention_costs_per_text(dropout)))
     return packing.ATTENTION_SPAN if whole_row else math.inf
 
 
