@@ -9,6 +9,10 @@ import importlib
 import pkgutil
 import sys
 
+if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
+    from infjax.training.host_memory import restart_with_huge_pages
+    restart_with_huge_pages()
+
 import infjax.benchmarks
 from infjax import errors
 

@@ -41,6 +41,10 @@ import os
 import sys
 import time
 
+if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
+    from infjax.training.host_memory import restart_with_huge_pages
+    restart_with_huge_pages()
+
 import jax
 
 from infjax import errors

@@ -20,6 +20,10 @@ import threading
 import time
 from typing import NamedTuple
 
+if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
+    from infjax.training.host_memory import restart_with_huge_pages
+    restart_with_huge_pages()
+
 import jax
 from absl import app, flags
 from ml_collections import config_flags
@@ -30,8 +34,8 @@ from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
-from infjax.training import checkpoint, console, distributed, mesh as mesh_lib, state as state_lib, storage, \
-    workdir as workdir_lib, writers as writers_lib
+from infjax.training import checkpoint, console, distributed, host_memory, mesh as mesh_lib, state as state_lib, \
+    storage, workdir as workdir_lib, writers as writers_lib
 from infjax.training.restore import saved_steps
 from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
     make_objective, total_steps
@@ -227,6 +231,7 @@ def run(config, workdir: str) -> TrainResult:
     config_lib.validate(config, jax.device_count(), jax.process_count())
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), jax.devices()[0].platform)
+    log.info(host_memory.describe())
     with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
         return _run(config, workdir)
 
