@@ -4,7 +4,7 @@ XLA:CPU allocates an execution's temporary buffer (a MiniLM train step at 48 row
 on a worker thread and frees it at the end. glibc maps a block that large afresh and unmaps it on
 free, so with 4 KiB pages every step faults in ~520,000 new pages: ~1 s of kernel time in a
 5-6 s step on 2 cores. With glibc's `glibc.malloc.hugetlb=1` tunable, malloc asks for transparent
-huge pages (2 MiB) on its mappings (madvise), which takes the faults to ~1,000-3,000 per step, and
+huge pages (2 MiB) on its mappings (madvise), which takes the faults to ~1,000-5,000 per step, and
 the block is still handed back at the end of the step (the process's peak memory is unchanged).
 
 Keeping the freed block in malloc's heap instead (mallopt: one arena, no mmap, no trimming) removes
@@ -82,7 +82,11 @@ def huge_pages_env(env, system: str | None = None, libc: str | None = None, mode
 def restart_with_huge_pages() -> None:
     """Re-execute this command with glibc's huge-page tunable where it helps (see the module docstring);
     returns only where nothing is to change."""
-    env = huge_pages_env(os.environ)
+    try:
+        env = huge_pages_env(os.environ)
+    except ConfigError as e:                      # one line and exit 2, as the entry points report bad input
+        print(f"infjax: error: {e}", file=sys.stderr)
+        sys.exit(2)
     if env is None:
         return
     sys.stdout.flush()

@@ -30,6 +30,9 @@ def test_the_tunable_is_added_only_where_it_helps():
 def test_a_bad_switch_is_named():
     with pytest.raises(ConfigError, match="INFJAX_HUGE_PAGES='yes'"):
         hm.huge_pages_env(dict(CPU, INFJAX_HUGE_PAGES="yes"), **LINUX)
+    out = subprocess.run([sys.executable, "-m", "infjax.bench", "--help"], env=_env(INFJAX_HUGE_PAGES="yes"),
+                         capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stderr.strip()) == (2, "infjax: error: INFJAX_HUGE_PAGES='yes': expected 0 or 1")
 
 
 def test_the_peer_process_gets_the_environment_without_infjax_s_tunable():
