@@ -28,6 +28,7 @@ import pkgutil
 import platform
 import sys
 
+from infjax import errors
 from infjax.errors import ConfigError
 
 ENV = "INFJAX_HUGE_PAGES"
@@ -85,8 +86,7 @@ def restart_with_huge_pages() -> None:
     try:
         env = huge_pages_env(os.environ)
     except ConfigError as e:                      # one line and exit 2, as the entry points report bad input
-        print(f"infjax: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(errors.report("infjax", e))
     if env is None:
         return
     sys.stdout.flush()
@@ -110,6 +110,7 @@ def plain_env(env=None) -> dict:
 def describe(env=None) -> str:
     """One line for a run's log: how malloc maps large blocks in this process."""
     env = os.environ if env is None else env
-    on = f"{TUNABLE}=1" in env.get("GLIBC_TUNABLES", "").split(":") and thp_mode() in ("madvise", "always")
-    return (f"host malloc: transparent huge pages ({TUNABLE}=1{', set by infjax' if env.get(ADDED) else ''})" if on
-            else f"host malloc: the platform's default pages (transparent huge pages: {thp_mode() or 'unknown'})")
+    mode = thp_mode()
+    if f"{TUNABLE}=1" in env.get("GLIBC_TUNABLES", "").split(":") and mode in ("madvise", "always"):
+        return f"host malloc: transparent huge pages ({TUNABLE}=1{', set by infjax' if env.get(ADDED) else ''})"
+    return f"host malloc: the platform's default pages (transparent huge pages: {mode or 'unknown'})"
