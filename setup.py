@@ -10,8 +10,8 @@ setup(
     packages=find_packages(include=["infjax", "infjax.*"]),
     # the curation prompt templates (infjax/curation/prompts/<stage>.<version>.txt)
     package_data={"infjax.curation.prompts": ["*.txt"],
-                  # the CPU attention kernel's source, compiled on first use (infjax/models/cpu_attention.py)
-                  "infjax.models": ["*.cc"]},
+                  # the CPU attention kernel's source, compiled on first use (infjax/models/kernels/cpu.py)
+                  "infjax.models.kernels": ["*.cc"]},
     python_requires=">=3.11",
     install_requires=[
         "jax>=0.10",

@@ -10,7 +10,7 @@ import pkgutil
 import sys
 
 if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
-    from infjax.training.host_memory import restart_with_huge_pages
+    from infjax.runtime.cpu import restart_with_huge_pages
     restart_with_huge_pages()
 
 import infjax.benchmarks

@@ -30,7 +30,7 @@ PRESETS = {
         "train.learning_rate": 5e-5,       # the paper's; 1e-4 gave less p-MRR and a lower docstrings canary
         "log_every": 10, "checkpoint.every": 50,
     },
-    # The paper's backbones (SPEC §2.1) on InF-IR; they need the hub or a local copy.
+    # The paper's backbones (docs/method.md §2.1) on InF-IR; they need the hub or a local copy.
     "minilm": {"model.checkpoint": "sentence-transformers/all-MiniLM-L6-v2", "model.pooling": "mean"},
     "e5-base-v2": {"model.checkpoint": "intfloat/e5-base-v2", "model.pooling": "mean",
                    "data.query_prefix": "query: ", "data.passage_prefix": "passage: "},

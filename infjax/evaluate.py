@@ -42,7 +42,7 @@ import sys
 import time
 
 if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
-    from infjax.training.host_memory import restart_with_huge_pages
+    from infjax.runtime.cpu import restart_with_huge_pages
     restart_with_huge_pages()
 
 import jax
@@ -55,7 +55,7 @@ from infjax.evaluation.trec import write_outputs
 from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
-from infjax.training import distributed, storage
+from infjax.runtime import distributed, storage
 
 log = logging.getLogger("infjax.evaluate")
 

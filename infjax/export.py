@@ -34,8 +34,8 @@ from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
 from infjax.models.hf import files as hf_files
 from infjax.models.registry import FAMILIES
-from infjax.training import storage
-from infjax.training.restore import check_finite, load_run
+from infjax.runtime import storage
+from infjax.runtime.restore import check_finite, load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = "interaction_head.safetensors"

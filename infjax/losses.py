@@ -1,6 +1,6 @@
 """InF-Embed contrastive objectives over marginal negatives (paper §5.2, Eqs. 6-21).
 
-Notation (SPEC §3), over the R rows of the GLOBAL batch:
+Notation (docs/method.md §3), over the R rows of the GLOBAL batch:
 
     s(r, m) = sim(iq_r, p_m) = <iq_r, p_m> / tau            (S, an R x R matrix)
 
@@ -171,7 +171,7 @@ REFERENCE_TEMPERATURE_OFFSET = 1e-4   # the reference code computes sim / (tau +
 
 
 def reference_objective(name: str, temperature: float = 0.05) -> Objective:
-    """The reference PyTorch code's definition of objective `name`, in our terms (SPEC §3).
+    """The reference PyTorch code's definition of objective `name`, in our terms (docs/method.md §3.5).
 
     Its "univariate" is one softmax over the concatenated blocks with the
     positive's duplicates masked: our multivariate with `positive_once`. Its

@@ -21,7 +21,7 @@ import time
 from typing import NamedTuple
 
 if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
-    from infjax.training.host_memory import restart_with_huge_pages
+    from infjax.runtime.cpu import restart_with_huge_pages
     restart_with_huge_pages()
 
 import jax
@@ -34,9 +34,9 @@ from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
-from infjax.training import checkpoint, console, distributed, host_memory, mesh as mesh_lib, state as state_lib, \
-    storage, workdir as workdir_lib, writers as writers_lib
-from infjax.training.restore import saved_steps
+from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
+from infjax.training import console, state as state_lib, workdir as workdir_lib, writers as writers_lib
+from infjax.runtime.restore import saved_steps
 from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
     make_objective, total_steps
 
@@ -101,7 +101,7 @@ def agreed_stop(received: str | None, step: int, ckpts: checkpoint.Checkpoints) 
     return "preemption" if ckpts.reached_preemption(step) else None
 
 
-SYNTHETIC_SPEC = "synthetic"     # eval.synthetic: the run's own FollowIR-style split (config.data.synthetic)
+SYNTHETIC_SET = "synthetic"     # eval.synthetic: the run's own FollowIR-style split (config.data.synthetic)
 
 
 @dataclasses.dataclass
@@ -155,7 +155,7 @@ class Evaluator:
 
     def synthetic(self, state) -> dict:
         """eval.json's entry: p-MRR (x100) and nDCG@5 on the synthetic split, and the step."""
-        m = self(state, [SYNTHETIC_SPEC])[SYNTHETIC_SPEC]
+        m = self(state, [SYNTHETIC_SET])[SYNTHETIC_SET]
         return {"p_mrr": m["p_mrr"], "ndcg@5": m["ndcg@5"], "step": int(state.step)}
 
     def milestone(self, state, canaries: list[str], watch: CanaryWatch, writer, known: dict | None = None) -> dict:
@@ -230,8 +230,8 @@ def run(config, workdir: str) -> TrainResult:
     The workdir is locked for the run (one run per workdir; process 0 holds the lock)."""
     config_lib.validate(config, jax.device_count(), jax.process_count())
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
-             jax.process_count(), jax.local_device_count(), jax.device_count(), jax.devices()[0].platform)
-    log.info(host_memory.describe())
+             jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())
+    log.info(runtime_cpu.describe())
     with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
         return _run(config, workdir)
 
@@ -253,7 +253,7 @@ def _run(config, workdir: str) -> TrainResult:
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
     evaluator = Evaluator(config, encoder, setup, mesh)
-    evaluator.preload(specs + canaries + ([SYNTHETIC_SPEC] if config.eval.synthetic else []))
+    evaluator.preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []))
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
         state_lib.abstract_state(params, optimizer, config.train.seed)))
@@ -316,7 +316,7 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
 
 def milestone_sets(entry: dict) -> dict:
     """An eval.json entry as {set: metrics}: the synthetic split (p-MRR, nDCG@5) and the canaries."""
-    synthetic = {SYNTHETIC_SPEC: {k: entry[k] for k in ("p_mrr", "ndcg@5")}} if "p_mrr" in entry else {}
+    synthetic = {SYNTHETIC_SET: {k: entry[k] for k in ("p_mrr", "ndcg@5")}} if "p_mrr" in entry else {}
     return {**synthetic, **entry.get("canary", {})}
 
 

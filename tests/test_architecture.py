@@ -1,10 +1,15 @@
 """The package's layers import one way, with no cycles, and without hidden function-local imports.
 
-Layers, lowest first (a module may import its own package and any lower layer, nothing else):
+Layers, lowest first (a module may import its own package and any lower layer, nothing else), and one
+rule more: only the platform modules (`PLATFORM_MODULES`) ask which platform the program runs on.
+
+Layers:
 
     errors                    the error types and the entry points' one-line report (imports nothing)
     data, models, losses      what a batch is, what the networks are, what the loss is (independent)
-    training                  mesh, partitioning, state, embed, step, gradcache, setup, checkpoints
+    runtime                   where the program runs: mesh, partitioning, multi-host start-up, storage,
+                              checkpoints, restoring a run's parameters, process settings on CPU
+    training                  state, embed, step, gradcache, setup, workdir, writers
     inference                 embedders, embedding cache, exact search, model sources
     evaluation                datasets, metrics, scoring tasks, TREC files, MTEB adapter
     config, curation          defaults, presets, validation (checks values of any lower layer); data curation
@@ -14,13 +19,15 @@ Layers, lowest first (a module may import its own package and any lower layer, n
 """
 import ast
 import os
+import re
 
 import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infjax")
 
-LAYERS = {"errors": -1, "data": 0, "models": 0, "losses": 0, "training": 1, "inference": 2, "evaluation": 3, "config": 4,
-          "curation": 4, "train": 5, "evaluate": 5, "export": 5, "curate": 5, "bench": 5, "benchmarks": 5}
+LAYERS = {"errors": -1, "data": 0, "models": 0, "losses": 0, "runtime": 0.5, "training": 1, "inference": 2,
+          "evaluation": 3, "config": 4, "curation": 4, "train": 5, "evaluate": 5, "export": 5, "curate": 5, "bench": 5,
+          "benchmarks": 5}
 ENTRY_POINTS = {"train", "evaluate", "export", "curate", "bench", "benchmarks"}
 
 
@@ -109,6 +116,25 @@ def import_cycles(modules: dict[str, str]) -> list[list[str]]:
     return cycles
 
 
+# The modules that may ask which platform they run on (jax.default_backend(), a device's .platform, the
+# JAX_PLATFORMS setting): one per platform for attention, the CPU process settings, and the devices in words.
+PLATFORM_MODULES = re.compile(r"^infjax\.(models\.kernels(\..+)?|runtime\.(cpu|platform))$")
+PLATFORM_QUESTION = re.compile(r"default_backend\s*\(|\.platform\b(?!\s*\()|JAX_PLATFORMS")
+
+
+def platform_questions(modules: dict[str, str]) -> list[str]:
+    """`path:line: text` of each place outside PLATFORM_MODULES that asks which platform it runs on."""
+    bad = []
+    for module, path in modules.items():
+        if PLATFORM_MODULES.match(module):
+            continue
+        for number, line in enumerate(open(path, encoding="utf-8").read().splitlines(), 1):
+            code = line.split("#")[0]
+            if PLATFORM_QUESTION.search(code):
+                bad.append(f"{path}:{number}: {module} asks which platform it runs on: {line.strip()}")
+    return bad
+
+
 MODULES = modules_of(PACKAGE)
 
 
@@ -125,6 +151,23 @@ def test_imports_flow_down_the_layers():
 def test_no_import_cycles():
     cycles = import_cycles(MODULES)
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_only_the_platform_modules_ask_which_platform_they_run_on():
+    bad = platform_questions(MODULES)
+    assert not bad, "platform-specific code outside the platform modules:\n" + "\n".join(bad)
+
+
+def test_the_platform_rule_catches_a_planted_question(tmp_path):
+    pkg = tmp_path / "infjax"
+    (pkg / "training").mkdir(parents=True)
+    (pkg / "models" / "kernels").mkdir(parents=True)
+    (pkg / "training" / "step.py").write_text("import jax\nfast = jax.default_backend() == 'gpu'\n")
+    (pkg / "models" / "kernels" / "gpu.py").write_text("import jax\non_gpu = jax.default_backend() == 'gpu'\n")
+    (pkg / "training" / "mesh.py").write_text("def f(mesh):\n    return mesh.devices.flat[0].platform\n")
+    bad = sorted(platform_questions(modules_of(str(pkg))))
+    assert [b.split(": ")[0].rsplit(os.sep, 2)[-2:] for b in bad] == [["training", "mesh.py:2"],
+                                                                      ["training", "step.py:2"]]
 
 
 def test_function_local_imports_of_infjax_say_why():

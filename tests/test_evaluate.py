@@ -63,7 +63,7 @@ def test_bucketed_encoding_equals_full_length_padding():
     from infjax.data.tokenize import Tokenizer
     from infjax.inference.embedders import TextEmbedder, length_buckets
     from infjax.models.encoder import load_encoder
-    from infjax.training.mesh import make_mesh, replicated
+    from infjax.runtime.mesh import make_mesh, replicated
 
     assert length_buckets(48) == (16, 32, 48) and length_buckets(16) == (16,)
     encoder, params, path = load_encoder(base_config("multi_pi").model)
@@ -239,7 +239,9 @@ def make_run_dir(workdir, interaction="concat", step=2, noise=0.02):
 
     from infjax import config as config_lib
     from infjax.models.encoder import load_encoder
-    from infjax.training import checkpoint, state as state_lib
+    from infjax.runtime import checkpoint
+
+    from infjax.training import state as state_lib
 
     c = config_lib.base_config("multi_pi")
     c.model.interaction = interaction

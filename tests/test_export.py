@@ -15,7 +15,7 @@ from infjax import export, train  # noqa: E402
 from infjax.data.tokenize import Tokenizer  # noqa: E402
 from infjax.models.encoder import Encoder, load_encoder  # noqa: E402
 from infjax.models.hf.files import load_hf_config, read_safetensors  # noqa: E402
-from infjax.training.restore import load_run  # noqa: E402
+from infjax.runtime.restore import load_run  # noqa: E402
 # this file's `small_config` is the export run's config; `train_config` is the trainer tests' one
 from tests.helpers.configs import EXPORT_MAX_LEN as MAX_LEN  # noqa: E402
 from tests.helpers.configs import small_config as train_config  # noqa: E402
@@ -280,7 +280,7 @@ def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
 
     from infjax.data.tokenize import TextFormat
     from infjax.inference.embedders import CrossAttentionQueryEmbedder
-    from infjax.training import mesh as mesh_lib
+    from infjax.runtime import mesh as mesh_lib
 
     workdir, out = str(tmp_path / "run"), str(tmp_path / "export")
     config = train_config(**{"model.interaction": "cross_attention", "train.steps": 2, "eval.synthetic": False})

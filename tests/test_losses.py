@@ -1,4 +1,4 @@
-"""The contrastive objectives against a float64 per-row loop written from SPEC §3,
+"""The contrastive objectives against a float64 per-row loop written from docs/method.md §3,
 and their invariance to the number of devices holding the batch."""
 import dataclasses
 import math
@@ -13,7 +13,7 @@ from infjax import losses
 
 
 def naive_loss(name, iq, p, neg, tau, positive_once=False):
-    """SPEC §3 as written, one row at a time, in float64."""
+    """docs/method.md §3 as written, one row at a time, in float64."""
     kind, sets = losses.OBJECTIVES[name]
     iq, p, neg = (np.asarray(a, np.float64) for a in (iq, p, neg))
     R = len(iq)
@@ -147,7 +147,7 @@ def test_set_metrics_against_numpy(embeddings):
 
 
 def _reference_loss_torch(name, iq, p, neg, tau):
-    """The reference code's definitions (SPEC §3, last paragraph), written with torch:
+    """The reference code's definitions (docs/method.md §3.5), written with torch:
     "uni" = one softmax over the concatenated blocks, the positive's duplicates masked;
     "multi" = a sum of separate cross-entropies, one per block."""
     torch = pytest.importorskip("torch")
@@ -175,7 +175,7 @@ def test_reference_convention_reproduces_the_reference_definitions(name, embeddi
     want = _reference_loss_torch(name, iq, p, neg, 0.05 + 1e-4)     # the reference divides by tau + 1e-4
     got = float(jnp.mean(losses.per_row_loss(losses.reference_objective(name, 0.05), iq, p, neg)))
     assert got == pytest.approx(want, rel=1e-5)
-    # and the swap is what SPEC §3 says: the reference's multi_* is our uni_* and vice versa
+    # and the swap is what docs/method.md §3.5 says: the reference's multi_* is our uni_* and vice versa
     ours = name if len(losses.OBJECTIVES[name][1]) == 1 else \
         {"uni": "multi", "multi": "uni"}[name.split("_")[0]] + "_" + name.split("_")[1]
     assert want == pytest.approx(naive_loss(ours, iq, p, neg, 0.05 + 1e-4, positive_once=name.startswith("uni")),

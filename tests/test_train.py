@@ -122,7 +122,7 @@ def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
 
 
 def test_load_run_restores_the_trained_parameters(trained):
-    from infjax.training.restore import load_run
+    from infjax.runtime.restore import load_run
 
     workdir, _ = trained
     model = load_run(workdir, step=3)

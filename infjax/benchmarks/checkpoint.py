@@ -18,7 +18,10 @@ import jax
 
 from infjax import config as config_lib
 from infjax.models.encoder import load_encoder
-from infjax.training import checkpoint, mesh as mesh_lib, setup as setup_lib, state as state_lib
+from infjax.runtime import checkpoint, mesh as mesh_lib, platform
+
+
+from infjax.training import setup as setup_lib, state as state_lib
 
 
 def main(argv: list[str]) -> None:
@@ -68,7 +71,7 @@ def main(argv: list[str]) -> None:
 
     print(f"MiniLM multi_pi, {build.global_rows} rows/step, state {size / 2**20:.0f} MiB, "
           f"{'synchronous' if args.sync else 'asynchronous'} saves every {args.every} steps, "
-          f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
+          f"{platform.describe()}")
     print(f"median step, no save in flight:      {med(plain)}")
     print(f"median step that starts a save:      {med(starting)}")
     print(f"median step while a save is written: {med(in_flight)}")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from infjax.models.bert import BertConfig, BertModel
+from infjax.runtime import platform
 from infjax.models.decoder import DecoderConfig, DecoderModel
 from infjax.models.modernbert import ModernBertConfig, ModernBertModel
 
@@ -78,8 +79,7 @@ def main(argv: list[str]) -> None:
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
         parser.error(f"unknown families {unknown}; choose from {list(FAMILIES)}")
-    device = jax.devices()[0]
-    print(f"device {device.platform}:{device.device_kind}  batch {args.batch} x {args.seq_len} tokens  hidden "
+    print(f"device {platform.describe()}  batch {args.batch} x {args.seq_len} tokens  hidden "
           f"{args.hidden}  layers {args.layers}  heads {args.heads}  dtype {args.dtype}  iters {args.iters}")
     tokens = args.batch * args.seq_len
     for family in families:

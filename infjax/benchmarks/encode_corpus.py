@@ -27,7 +27,7 @@ from infjax.data.tokenize import Tokenizer
 from infjax.inference.embedders import TextEmbedder
 from infjax.models.encoder import load_encoder
 from infjax.models.hf.files import embedded_minilm_path
-from infjax.training.mesh import default_mesh, replicated
+from infjax.runtime.mesh import default_mesh, replicated
 
 
 def synthetic_passages(n: int, seed: int = 0) -> list[str]:

@@ -29,7 +29,9 @@ from infjax.models.hf import files as hf_files
 from infjax.models import decoder
 from infjax.models.decoder import DecoderConfig, DecoderModel
 from infjax.models.encoder import load_encoder
-from infjax.training import checkpoint, state as state_lib
+from infjax.runtime import checkpoint
+
+from infjax.training import state as state_lib
 
 GIB = 2**30
 

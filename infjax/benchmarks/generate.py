@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from infjax.curation import local
 from infjax.models import generation
+from infjax.runtime import platform
 
 TOPICS = ("the history of Rome", "how vaccines work", "the rules of chess", "why the sky is blue",
           "the water cycle", "how a compiler works", "the life of bees", "volcanoes")
@@ -66,8 +67,7 @@ def main(argv: list[str]) -> None:
     pad = tokenizer.pad_token_id or 0
     seqs = prompts(tokenizer, args.prompts)
     length = max(map(len, seqs))
-    device = jax.devices()[0]
-    print(f"device {device.platform}:{device.device_kind} ({jax.device_count()} devices)  model {args.model} "
+    print(f"device {platform.describe()}  model {args.model} "
           f"({config.num_hidden_layers} layers, hidden {config.hidden_size})  {args.prompts} prompts of "
           f"{min(map(len, seqs))}-{length} tokens, {args.new_tokens} new tokens each, greedy")
     total = args.prompts * args.new_tokens

@@ -25,6 +25,7 @@ def measure(rows: int, dim: int, k: int, objective: str, reps: int) -> dict:
     import numpy as np
 
     from infjax import losses  # lazy on purpose: the parent process never imports JAX
+    from infjax.runtime import platform  # lazy on purpose, likewise
 
     obj = losses.Objective.from_name(objective)
     rng = np.random.default_rng(0)
@@ -48,7 +49,7 @@ def measure(rows: int, dim: int, k: int, objective: str, reps: int) -> dict:
         times.append(time.perf_counter() - t0)
     return {"rows": rows, "dim": dim, "k": k, "objective": objective, "seconds": statistics.median(times),
             "xla_bytes": xla_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "device": str(jax.devices()[0].platform)}
+            "device": platform.name()}
 
 
 def main(argv: list[str]) -> None:

@@ -2,7 +2,7 @@
 `infjax.evaluate --model=WORKDIR` does (a child of `infjax.bench export`, which measures its memory)."""
 import sys
 
-from infjax.training.restore import load_run
+from infjax.runtime.restore import load_run
 
 
 def main(argv: list[str]) -> None:

@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from infjax.models.encoder import checkpoint_path
-from infjax.training import host_memory
+from infjax.runtime import cpu as runtime_cpu
 
 
 def peak_rss_mib() -> float:
@@ -42,7 +42,7 @@ def run_in_child(steps: list[list[list[str]]], warmup: int, config) -> dict:
         json.dump(job, f)
     try:
         out = subprocess.run([sys.executable, "-m", "infjax.benchmarks.torch_loop", f.name], check=True,
-                             capture_output=True, text=True, env=host_memory.plain_env())
+                             capture_output=True, text=True, env=runtime_cpu.plain_env())
     finally:
         os.unlink(f.name)
     return json.loads(out.stdout.strip().splitlines()[-1])

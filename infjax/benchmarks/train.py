@@ -39,7 +39,10 @@ from infjax.benchmarks import torch_loop
 from infjax.data import synthetic
 from infjax.data.batches import real_tokens
 from infjax.models.encoder import load_encoder
-from infjax.training import host_memory, mesh as mesh_lib, setup as setup_lib, state as state_lib
+from infjax.runtime import cpu as runtime_cpu, mesh as mesh_lib, platform
+
+# device_kind substring -> peak dense bf16 FLOP/s per device
+from infjax.training import setup as setup_lib, state as state_lib
 
 # device_kind substring -> peak dense bf16 FLOP/s per device
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
@@ -217,9 +220,9 @@ def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
 def main(argv: list[str]) -> None:
     fv = _flags(argv)
     config = fv.config
-    print(f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} ({jax.devices()[0].platform}); "
+    print(f"devices: {platform.describe()}; "
           f"model {config.model.checkpoint}, objective {config.objective}, dtype {config.model.dtype}; "
-          f"{host_memory.describe()}")
+          f"{runtime_cpu.describe()}")
     if fv.sweep_rows:
         rows = [int(r) for r in fv.sweep_rows.split(",") if r.strip()]
         print(f"compiled peak memory per device (arguments + temporaries + outputs - aliased), MiB; "

@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from infjax.curation.backends import Backend, Completion, Request, ResponseCache
 from infjax.errors import UserError
 from infjax.models import generation
-from infjax.training.mesh import BATCH_AXES, batch_shards, default_mesh
+from infjax.runtime.mesh import BATCH_AXES, batch_shards, default_mesh
 
 SMOLLM2 = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

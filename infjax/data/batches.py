@@ -61,7 +61,7 @@ class BatchPlan:
 
 
 class InstructionNegativeSampler:
-    """K instruction negatives per row, drawn from the whole record pool (SPEC §1.4).
+    """K instruction negatives per row, drawn from the whole record pool (docs/method.md §1.5).
 
     The pool is the set of distinct instruction texts (I+ and I-) of all
     records; a row never gets an instruction whose text equals its own.
@@ -192,13 +192,14 @@ def real_tokens(batch: dict) -> int:
 
 def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: int = 1,
                    fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0,
-                   span: float = packing.ATTENTION_SPAN) -> packing.Shapes:
+                   span: float = packing.ATTENTION_SPAN, multiple: int = packing.LENGTH_STEP) -> packing.Shapes:
     """The packed shapes of the steps listed: per side a row length and up to `max_shapes` sets of row
     counts per batch shard (or per chunk of one under gradient caching), each step in its cheapest set.
 
     The row length is the side's configured pack length, else the one of least cost over the first steps
     (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps; `span`:
-    the attention cost model, ``packing.row_cost``). `fixed_rows` (side -> rows, from the config) are not
+    the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of for
+    the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
     measured: those sides keep those rows in every shape. Every process measures the global batches, so all
     agree on the shapes. Texts are tokenized once each.
     """
@@ -227,7 +228,7 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
             lengths[side] = build.pack_length(side)
             needs.append(np.full(len(steps), fixed_rows[side]))     # (nothing measured: all steps alike)
             continue
-        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span)
+        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span, multiple)
         needs.append(np.array([packing.capacity_for([step], shards, lengths[side], chunks).rows
                                for step in per_step[side]]))
     needs = np.stack(needs, axis=1).reshape(len(steps), len(sides))

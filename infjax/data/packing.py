@@ -151,22 +151,24 @@ def row_cost(length: int, span: float = ATTENTION_SPAN) -> float:
     return length * (1 + length / span)
 
 
-def candidate_lengths(longest: int) -> list[int]:
-    """Row lengths worth trying for texts of at most `longest` tokens: multiples of LENGTH_STEP from `longest`
-    up to twice that (at least 128), those of 512 or more multiples of BLOCKWISE_LENGTH."""
-    low = -(-longest // LENGTH_STEP) * LENGTH_STEP
-    return [n for n in range(low, max(2 * low, 128) + 1, LENGTH_STEP) if n < 512 or n % BLOCKWISE_LENGTH == 0]
+def candidate_lengths(longest: int, multiple: int = LENGTH_STEP) -> list[int]:
+    """Row lengths worth trying for texts of at most `longest` tokens: multiples of LENGTH_STEP (or of
+    `multiple`, a multiple of it: what the platform's attention kernel needs, e.g. 128 for TPU splash) from
+    `longest` up to twice that (at least 128), those of 512 or more multiples of BLOCKWISE_LENGTH."""
+    step = max(LENGTH_STEP, multiple)
+    low = -(-longest // step) * step
+    return [n for n in range(low, max(2 * low, 128) + 1, step) if n < 512 or n % BLOCKWISE_LENGTH == 0]
 
 
 def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunks: int = 1,
-                  span: float = ATTENTION_SPAN) -> int:
+                  span: float = ATTENTION_SPAN, multiple: int = LENGTH_STEP) -> int:
     """The row length of least mean cost (rows a batch needs x row_cost(length, span)) over the batches given
     (at most SAMPLE_STEPS of them), among `candidate_lengths` of the longest text of all of them. A longer row
     holds more texts, so less of it is padding, but (finite span) each of its tokens attends over more of it."""
     longest = max(max(lengths) for lengths in lengths_per_batch)
     sample = lengths_per_batch[:SAMPLE_STEPS]
     costs = {n: np.mean([capacity_for([lengths], shards, n, chunks).rows for lengths in sample]) * row_cost(n, span)
-             for n in candidate_lengths(longest)}
+             for n in candidate_lengths(longest, multiple)}
     return min(costs, key=lambda n: (costs[n], n))
 
 

@@ -11,7 +11,7 @@ The surface forms differ on the two sides on purpose: an instruction says
 instruction says "a European country", the passage names "Poland". A model
 has to learn the mapping, it cannot copy words.
 
-Training records (SPEC §1.2) are made by poisoning:
+Training records (docs/method.md §1.3) are made by poisoning:
   I+ constrains attribute a to value v;   P+ is on topic t with a = v
   I- is I+ with v replaced by v' != v;    P1- is on topic t with a = v'
   Q- asks about topic t' != t;            P2- is on topic t' with a = v

@@ -8,7 +8,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class TextFormat:
-    """How an (instruction, query) pair and a passage become encoder input text (SPEC §1.3)."""
+    """How an (instruction, query) pair and a passage become encoder input text (docs/method.md §1.4)."""
 
     query_template: str = "{query} {instruction}"
     query_prefix: str = ""

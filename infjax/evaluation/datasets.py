@@ -267,7 +267,7 @@ def hub_snapshot(repo_id: str, allow_patterns: list[str], cache_dir: str | None 
 
 
 def followir_main_metric(name: str) -> str:
-    """nDCG@5 for News21, MAP@1000 for Robust04 and Core17 (FollowIR, SPEC §5)."""
+    """nDCG@5 for News21, MAP@1000 for Robust04 and Core17 (FollowIR, docs/method.md §5.1)."""
     return "ndcg@5" if "news21" in name.lower() else "map@1000"
 
 

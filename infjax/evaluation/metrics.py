@@ -1,4 +1,4 @@
-"""Retrieval metrics: p-MRR (SPEC §5) and trec_eval measures through pytrec_eval.
+"""Retrieval metrics: p-MRR (docs/method.md §5.2) and trec_eval measures through pytrec_eval.
 
 A run is {query id: {doc id: score}}; qrels are {query id: {doc id: grade}}.
 """

@@ -6,7 +6,7 @@ import os
 import re
 import tempfile
 
-from infjax.training import storage
+from infjax.runtime import storage
 
 Run = dict[str, dict[str, float]]
 

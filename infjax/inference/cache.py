@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
-from infjax.training import storage
+from infjax.runtime import storage
 
 log = logging.getLogger("infjax.inference")
 

@@ -31,7 +31,8 @@ from infjax.data import packing
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.models import interaction
 from infjax.models.encoder import Encoder, query_params
-from infjax.training.mesh import batch_shards, batch_sharding, put, replicated, round_to_shards
+from infjax.runtime import cpu as runtime_cpu
+from infjax.runtime.mesh import batch_shards, batch_sharding, put, replicated, round_to_shards
 
 EmbedFn = Callable[[list[str]], np.ndarray]                    # texts -> L2-normalized embeddings [N, d]
 PairEmbedFn = Callable[[list[str], list[str]], np.ndarray]     # (instructions, queries) -> iq embeddings
@@ -54,27 +55,29 @@ def _jitted_encoder(encoder: Encoder, mesh: Mesh):
     the batch axes by `put`; the params as the caller holds them, e.g. FSDP-sharded in the trainer,
     where XLA gathers each weight where it is used), so nothing is resharded or refused across hosts.
     """
-    return jax.jit(encoder, out_shardings=replicated(mesh))
+    return jax.jit(_rows_split(encoder, mesh), out_shardings=replicated(mesh))
 
 
 @functools.lru_cache(maxsize=8)
 def _jitted_packed(encoder: Encoder, mesh: Mesh):
     """`_jitted_encoder` for packed inputs (data.packing layout; [S, ...] split over the batch shards)."""
-    return jax.jit(encoder.packed, out_shardings=replicated(mesh))
+    return jax.jit(_rows_split(encoder, mesh).packed, out_shardings=replicated(mesh))
 
 
-TOKENS_PER_CALL = 128          # x batch_size: tokens of one packed encoder call on an accelerator
-CPU_TOKENS_PER_SHARD = 1024    # on CPU, at most this many per batch shard (see `tokens_per_call`)
+def _rows_split(encoder: Encoder, mesh: Mesh) -> Encoder:
+    """The encoder with its activations' rows held on the batch axes, as in training: the per-device attention
+    kernels (Pallas GPU, TPU splash) then run under shard_map on each device's own rows."""
+    return encoder.with_activation_sharding(batch_sharding(mesh)) if isinstance(encoder, Encoder) else encoder
+
+
+TOKENS_PER_CALL = 128          # x batch_size: tokens of one packed encoder call
 
 
 def tokens_per_call(batch_size: int, mesh: Mesh) -> int:
     """Tokens of one packed encoder call: ``batch_size`` x 128 on GPU/TPU, where big calls keep the
     matrix units busy; on CPU at most 1,024 per device, so a call's activations stay in the caches
     (MiniLM at max_len 128 on 2 cores: 8,192-token calls encode ~62 docs/s, 1,024-token calls ~85)."""
-    tokens = batch_size * TOKENS_PER_CALL
-    if mesh.devices.flat[0].platform == "cpu":
-        tokens = min(tokens, CPU_TOKENS_PER_SHARD * batch_shards(mesh))
-    return tokens
+    return runtime_cpu.cap_call_tokens(batch_size * TOKENS_PER_CALL, mesh, batch_shards(mesh))
 
 
 class TextEmbedder:

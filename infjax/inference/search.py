@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from infjax.training.mesh import BATCH_AXES, batch_shards, default_mesh, from_host, replicated, round_to_shards
+from infjax.runtime.mesh import BATCH_AXES, batch_shards, default_mesh, from_host, replicated, round_to_shards
 
 
 def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:

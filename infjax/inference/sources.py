@@ -30,14 +30,14 @@ from infjax.errors import UserError
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.models.hf import files as hf_files
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
-from infjax.training import storage
-from infjax.training.mesh import default_mesh, put, replicated
-from infjax.training.restore import NonFiniteParams, check_finite, load_run, saved_steps
+from infjax.runtime import storage
+from infjax.runtime.mesh import default_mesh, put, replicated
+from infjax.runtime.restore import NonFiniteParams, check_finite, load_run, saved_steps
 
 log = logging.getLogger("infjax.model_sources")
 
 MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
-DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # SPEC §1.3 reference defaults
+DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # docs/method.md §1.4 reference defaults
 
 
 class ModelSourceError(UserError, ValueError):

@@ -9,325 +9,193 @@ segment only, and additionally
 - ``window``: to those at most ``window`` positions away (ModernBERT's local
   layers, where HF's ``sliding_window`` is ``local_attention // 2``).
 
-Segments are contiguous runs of a row, so "positions away" is the index
-distance. A padding token (segment 0) attends to nothing; its output is a
-uniform average (no NaN) that no pooling ever reads.
+Implementations (``impl``), one module per platform under ``models/kernels``:
 
-Implementations (``impl``; "auto" picks by platform, unless the environment
-variable ``INFJAX_ATTENTION`` names one of them):
+| impl | platform | what |
+| --- | --- | --- |
+| ``explicit`` | any | the reference: flash-style in plain XLA ops, blockwise from 512 tokens (kernels/reference.py) |
+| ``xla`` | any | ``jax.nn.dot_product_attention`` with a [T, T] mask: the naive baseline, only when asked for |
+| ``kernel`` | CPU | the fused C++ kernel through the XLA FFI, per segment (kernels/cpu.py) |
+| ``cudnn`` | GPU | cuDNN's packed flash attention, per segment; bf16/fp16, Hopper+ (kernels/gpu.py) |
+| ``pallas`` | GPU | a Pallas (Triton) flash kernel over key ranges with block skipping (kernels/gpu_flash.py) |
+| ``splash`` | TPU | the Pallas TPU splash kernel under shard_map (kernels/tpu.py) |
 
-- ``"kernel"`` (CPU): a fused C++ kernel through the XLA FFI
-  (``cpu_attention``), compiled on first use; float32, head sizes 16, 32, 64
-  and 128, no attention dropout. It computes only the keys of each query's
-  own segment and keeps a few rows' scores in cache at a time: one MiniLM
-  layer's forward + backward over a 64/256 step's packed passages ([34, 256],
-  12 heads of 32) takes ~90 ms against ~300 ms on the explicit path (torch's
-  fused CPU attention: ~110 ms). "auto" takes it on CPU whenever it applies
-  and could be built; otherwise the explicit path. Padding tokens (segment 0)
-  get a zero output.
-- ``"xla"``: ``jax.nn.dot_product_attention`` with the boolean mask (GPU, TPU).
-- ``"explicit"``: scores in float32 over [B, N, T, S] in the head-major
-  layout, normalised after the value product. On XLA:CPU this is 2.4x faster
-  than ``"xla"`` at [64, 128] (MiniLM shapes; the einsum layouts of the
-  generic path transpose the scores). Both directions keep only the output
-  and the log-sum-exp (the backward recomputes the scores, as flash
-  attention does). Rows of ``BLOCKWISE_FROM`` tokens or more are processed
-  in query blocks of ``BLOCK`` rows, one block's scores at a time, so the
-  temporaries grow with T x block, not T x T: at [18, 512] (MiniLM, 12
-  heads) forward and backward hold 183 instead of 676 MiB, at the same speed
-  or faster; at T = 256 one pass is faster, so shorter rows take it.
-- ``"splash"``: the Pallas TPU splash-attention kernel (segment ids, causal
-  and local masks; blocks that a mask empties are skipped), run in Pallas
-  interpret mode off TPU, which is how it is tested here. T must be a
-  multiple of 128. Opt-in for now: "auto" does not pick it, because the
-  kernel must be wrapped in ``shard_map`` over the batch axes under a
-  sharded step, and that has not been run on a TPU. Padding tokens (segment
-  0) attend each other instead of nothing; no pooling reads them.
+``"auto"`` (the default; the environment variable ``INFJAX_ATTENTION`` may name
+another) takes, for each call, the first of the platform's candidates that
+takes the inputs: CPU ``kernel``; GPU ``cudnn``, then ``pallas``; TPU
+``splash``; then ``explicit``. An implementation named explicitly that cannot
+take the inputs falls back the same way. Attention dropout (training with a
+checkpoint's dropout) always takes ``explicit``. Each distinct choice is
+logged once, with the reason for every candidate passed over (a warning when
+an accelerator falls back to ``explicit``).
+
+Under a sharded step the per-device kernels need to know how the rows are split, and cuDNN how many
+texts a row can hold: the encoder sets both around its call with `options` (trace-time settings, like
+a mesh context).
 """
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
+import dataclasses
+import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from infjax.models import cpu_attention
+from infjax.models import kernels
+from infjax.models.kernels import cpu, gpu, reference, tpu
+from infjax.models.kernels.masks import key_ranges, segment_mask, segment_positions  # noqa: F401 (re-exported)
 
-IMPLS = ("auto", "xla", "explicit", "kernel", "splash")
+IMPLS = ("auto", "explicit", "xla", "kernel", "cudnn", "pallas", "splash")
 ENV = "INFJAX_ATTENTION"     # environment override of "auto"
-BLOCK = 128                  # query rows per block of the explicit path's blockwise form
-BLOCKWISE_FROM = 512         # rows at least this long take the blockwise form (shorter: one pass)
+CANDIDATES = {"cpu": ("kernel",), "gpu": ("cudnn", "pallas"), "tpu": ("splash",)}
+PER_TEXT = ("kernel", "cudnn", "pallas")      # implementations whose cost is per text, not per row
+# what packed row lengths must be a multiple of for each (cuDNN: that of the Pallas kernel it may fall back to)
+ROW_MULTIPLES = {"cudnn": gpu.ROW_MULTIPLE, "pallas": gpu.ROW_MULTIPLE, "splash": tpu.ROW_MULTIPLE}
+
+log = logging.getLogger(__name__)
 
 
-def segment_mask(segment_ids: jax.Array, *, causal: bool = False, window: int | None = None) -> jax.Array:
-    """Boolean mask [B, 1, T, T] (True = attend) of segment ids [B, T]."""
-    seg = segment_ids
-    mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
-    idx = jnp.arange(seg.shape[1])
-    if causal:
-        mask = mask & (idx[None, :] <= idx[:, None])[None]
-    if window is not None:
-        mask = mask & (jnp.abs(idx[:, None] - idx[None, :]) <= window)[None]
-    return mask[:, None]
+@dataclasses.dataclass(frozen=True)
+class Options:
+    sharding: Any = None               # NamedSharding of the [B, T, H] activations (rows over the batch axes)
+    max_segments: int | None = None    # at most this many texts in one row (None: T)
 
 
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Position of each token inside its segment [B, T] int32 (0 at a segment's first token).
-
-    A padded row ``1 1 1 0 0`` gives ``0 1 2 0 1``; a left-padded one
-    ``0 0 1 1 1`` gives ``0 1 0 1 2``; a packed one ``1 1 2 2 2 0`` gives
-    ``0 1 0 1 2 0``. Real tokens always count from 0, as in an unpadded text.
-    """
-    t = segment_ids.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids.shape)
-    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
-                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+_OPTIONS: contextvars.ContextVar[Options] = contextvars.ContextVar("infjax_attention_options", default=Options())
 
 
-def resolve_impl(impl: str) -> str:
-    """`impl`, or for "auto" the platform's choice ("kernel" stands for "kernel where it applies" on CPU)."""
+@contextlib.contextmanager
+def options(sharding=None, max_segments: int | None = None):
+    """Trace-time settings of the attention calls made inside the block (see the module docstring)."""
+    token = _OPTIONS.set(Options(sharding, max_segments))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+class Choice(NamedTuple):
+    impl: str          # the implementation that runs
+    reason: str        # why: the candidates passed over, or that it was asked for
+
+
+def requested(impl: str = "auto") -> str:
+    """`impl` validated, with "auto" replaced by $INFJAX_ATTENTION when that is set."""
     if impl not in IMPLS:
         raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
     if impl == "auto":
         impl = os.environ.get(ENV, "auto") or "auto"
         if impl not in IMPLS:
             raise ValueError(f"${ENV}={impl!r} is not one of {IMPLS}")
-    if impl != "auto":
-        return impl
-    if jax.default_backend() != "cpu":
-        return "xla"
-    return "kernel" if cpu_attention.available() else "explicit"
+    return impl
+
+
+def unsupported(impl: str, q, k, *, causal: bool = False, window=None, opts: Options | None = None) -> str | None:
+    """Why `impl` cannot take these inputs on this platform (None: it can). q and k may be abstract."""
+    opts = opts or _OPTIONS.get()
+    if impl in ("explicit", "xla"):
+        return None
+    if impl == "kernel":
+        if kernels.platform() != "cpu":
+            return "the C++ kernel runs on CPU only"
+        if not cpu.supports(q, k):
+            return f"takes float32 and head sizes {cpu.HEAD_SIZES}, not {q.dtype} x {q.shape[-1]}"
+        return None if cpu.available() else "could not be built (see the warning above)"
+    if impl == "cudnn":
+        return gpu.cudnn_unsupported(q, k, causal, window)
+    if impl == "pallas":
+        return gpu.flash_unsupported(q, k, opts.sharding)
+    if impl == "splash":
+        return tpu.unsupported(q, k, causal, window, opts.sharding)
+    raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+
+
+def choose(q, k, *, causal: bool = False, window=None, dropout: bool = False, impl: str = "auto") -> Choice:
+    """The implementation `attention` runs for these inputs, and why."""
+    impl = requested(impl)
+    if dropout:
+        return Choice("explicit", "attention dropout is on")
+    platform = kernels.platform()
+    candidates = CANDIDATES.get(platform, ()) if impl == "auto" else (impl,)
+    passed = []
+    for name in candidates:
+        why = unsupported(name, q, k, causal=causal, window=window)
+        if why is None:
+            return Choice(name, f"auto on {platform}" if impl == "auto" else "asked for")
+        passed.append(f"{name}: {why}")
+    if not passed:
+        return Choice("explicit", f"auto on {platform}" if impl == "auto" else "asked for")
+    return Choice("explicit", "; ".join(passed))
+
+
+_REPORTED: set[str] = set()
+
+
+def _report(choice: Choice, q, causal, window, impl: str) -> None:
+    """Log each distinct choice once per process (a warning where an accelerator or a request fell back)."""
+    mask = "causal" if causal else "bidirectional"
+    if window is not None:
+        mask += f", window {window if isinstance(window, int) else '(per layer)'}"
+    message = (f"attention: {choice.impl} for rows of {q.shape[1]} tokens, {q.shape[2]} heads of {q.shape[3]}, "
+               f"{jnp.dtype(q.dtype).name}, {mask} ({choice.reason})")
+    if message in _REPORTED:
+        return
+    _REPORTED.add(message)
+    fell_back = choice.impl == "explicit" and ":" in choice.reason
+    accelerator = kernels.platform() != "cpu"
+    log.log(logging.WARNING if fell_back and (accelerator or requested(impl) != "auto") else logging.INFO, message)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,
+              window: int | jax.Array | None = None, dropout: nn.Dropout | None = None, impl: str = "auto",
+              block: int | None = None) -> jax.Array:
+    """Scaled dot-product self attention inside segments: q [B, T, N, D], k/v [B, T, K, D] -> [B, T, N, D].
+
+    N must be a multiple of K (grouped-query attention: query head ``n`` uses
+    key/value head ``n // (N // K)``, HF's ``repeat_kv``). ``window`` may be a
+    traced scalar (scanned layers; < 0 or >= T: none). ``dropout`` (a
+    training-time module) drops attention probabilities. ``block``: query
+    rows per block of the explicit path.
+    """
+    choice = choose(q, k, causal=causal, window=window, dropout=dropout is not None, impl=impl)
+    _report(choice, q, causal, window, impl)
+    opts = _OPTIONS.get()
+    if choice.impl == "kernel":
+        return cpu.attention(q, k, v, segment_ids, causal=causal, window=window)
+    if choice.impl == "cudnn":
+        return gpu.cudnn_attention(q, k, v, segment_ids, causal=causal, window=window,
+                                   max_segments=opts.max_segments)
+    if choice.impl == "pallas":
+        return gpu.flash_attention(q, k, v, segment_ids, causal=causal, window=window, sharding=opts.sharding)
+    if choice.impl == "splash":
+        return tpu.attention(q, k, v, segment_ids, causal=causal, window=window, sharding=opts.sharding)
+    if choice.impl == "xla":
+        return reference.xla_attention(q, k, v, segment_ids, causal=causal, window=window)
+    return reference.explicit_attention(q, k, v, segment_ids, causal=causal, window=window, dropout=dropout,
+                                        block=block)
+
+
+def _probe(head_dim: int, dtype: Any, length: int = 512, heads: int = 1):
+    return jax.ShapeDtypeStruct((1, length, heads, head_dim), jnp.dtype(dtype))
 
 
 def costs_per_text(head_dim: int, dtype: Any, dropout: bool = False) -> bool:
     """Whether `attention` (impl "auto") computes only each text's own keys for these inputs, so that a packed
     row's attention costs the sum of its texts' squared lengths, not its own squared length: true of the CPU
-    kernel. The other paths compute the whole row ("splash" skips fully masked blocks only), as does any
-    path with attention dropout (`dropout`: the run applies the checkpoint's dropout)."""
-    return (not dropout and resolve_impl("auto") == "kernel" and cpu_attention.takes(head_dim, dtype)
-            and cpu_attention.available())
+    kernel, cuDNN's packed attention and the Pallas GPU kernel (which skips other texts' key blocks). Splash
+    and the XLA paths compute the whole row, as does any path with attention dropout (`dropout`: the run
+    applies the checkpoint's dropout)."""
+    probe = _probe(head_dim, dtype)
+    return choose(probe, probe, dropout=dropout).impl in PER_TEXT
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,
-              window: int | None = None, dropout: nn.Dropout | None = None, impl: str = "auto",
-              block: int | None = None) -> jax.Array:
-    """Scaled dot-product self attention inside segments: q [B, T, N, D], k/v [B, T, K, D] -> [B, T, N, D].
-
-    N must be a multiple of K (grouped-query attention: query head ``n`` uses
-    key/value head ``n // (N // K)``, HF's ``repeat_kv``). ``dropout`` (a
-    training-time module) drops attention probabilities; it always takes the
-    explicit path. ``block`` (explicit path): query rows per block; default ``BLOCK`` for rows of
-    ``BLOCKWISE_FROM`` tokens or more, else the whole row.
-    """
-    impl = resolve_impl(impl)
-    if impl == "kernel" and dropout is None and cpu_attention.supports(q, k):
-        if not cpu_attention.available():
-            raise RuntimeError("attention impl 'kernel': the CPU attention kernel could not be built (see the "
-                               "warning above)")
-        return cpu_attention.attention(q, k, v, segment_ids, causal=causal, window=window)
-    if impl == "splash" and dropout is None:
-        return _splash(q, k, v, segment_ids, causal, window)
-    if impl == "xla" and dropout is None:
-        mask = segment_mask(segment_ids, causal=causal, window=window)
-        return jax.nn.dot_product_attention(q, k, v, mask=mask)
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))      # [B, N, T, D]
-    t = q.shape[1]
-    if block is None:
-        block = BLOCK if t >= BLOCKWISE_FROM else t
-    window_arg = jnp.asarray(-1 if window is None else window)
-    if dropout is not None:
-        out = _explicit(qh, kh, vh, segment_ids, jnp.arange(t), causal, window, dropout)
-    elif t <= block or t % block:
-        out = _fused(qh, kh, vh, segment_ids, window_arg, causal, window is not None)
-    else:
-        out = _blockwise(qh, kh, vh, segment_ids, window_arg, causal, window is not None, block)
-    return jnp.swapaxes(out, 1, 2)
-
-
-def _mask(segment_ids, q_index, k_index, causal, window):
-    """[B, 1, T', S] of query rows q_index (None: all rows); `window` None or < 0 means none (it may be a
-    traced scalar)."""
-    if q_index is None:
-        q_seg, q_index = segment_ids, jnp.arange(segment_ids.shape[1])
-    else:
-        q_seg = jnp.take(segment_ids, q_index, axis=1)
-    mask = (q_seg[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, None, :] > 0)
-    if causal:
-        mask = mask & (k_index[None, :] <= q_index[:, None])[None]
-    if window is not None:
-        near = jnp.abs(q_index[:, None] - k_index[None, :]) <= window
-        mask = mask & (near | (window < 0))[None]
-    return mask[:, None]
-
-
-def _bias(mask):
-    """0 where attended, -1e30 elsewhere, added to the scores: XLA:CPU runs an added bias ~1.4x faster
-    than a select over the broadcast mask (MiniLM, [8, 12, 128, 128]). A masked score becomes -1e30
-    exactly in float32, so a row with no attended key stays a uniform average, as before."""
-    return jnp.where(mask, 0.0, -1e30).astype(jnp.float32)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fused(qh, kh, vh, segment_ids, window, causal, windowed):
-    """Attention with a hand-written backward that keeps only the output and the log-sum-exp
-    (the scores are recomputed), as flash attention does; one pass over the scores per direction.
-    `windowed` (static) says whether `window` (a scalar, maybe traced) applies at all."""
-    return _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed)[0]
-
-
-def _scores(qh, kh, segment_ids, window, causal, windowed, start=None):
-    """Masked scores [B, N, T', S] float32 of queries qh [B, N, T', D] over all keys: the whole row, or
-    (`start`) the query rows start .. start + T' of one block."""
-    scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * qh.shape[-1] ** -0.5
-    q_index = None if start is None else start + jnp.arange(qh.shape[2])
-    mask = _mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window if windowed else None)
-    return scores + _bias(mask)
-
-
-def _softmax_values(scores, vh, dtype):
-    """softmax(scores) @ vh, normalised after the product, in `dtype`; and the log-sum-exp of the scores."""
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    weights = jnp.exp(scores - top)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    out = jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total
-    return out.astype(dtype), top + jnp.log(total)
-
-
-def _fused_fwd(qh, kh, vh, segment_ids, window, causal, windowed):
-    out, lse = _softmax_values(_scores(qh, kh, segment_ids, window, causal, windowed), vh, qh.dtype)
-    return out, (qh, kh, vh, segment_ids, window, out, lse)
-
-
-def _delta(d_out, out):
-    """rowsum(dO * O) [..., T, 1] float32, the softmax backward's correction term."""
-    return jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-
-
-def _grads(probs, qh, kh, vh, d_out, delta):
-    """float32 (dQ, dK, dV) of queries qh over keys kh / values vh, from their attention probabilities
-    [B, N, T', S] and the output gradient d_out [B, N, T', D]."""
-    d_out32 = d_out.astype(jnp.float32)
-    d_v = jnp.matmul(jnp.swapaxes(probs, -1, -2), d_out32)
-    d_probs = jnp.matmul(d_out32, jnp.swapaxes(vh, -1, -2).astype(jnp.float32))
-    d_scores = probs * (d_probs - delta) * qh.shape[-1] ** -0.5
-    d_q = jnp.matmul(d_scores, kh.astype(jnp.float32))
-    d_k = jnp.matmul(jnp.swapaxes(d_scores, -1, -2), qh.astype(jnp.float32))
-    return d_q, d_k, d_v
-
-
-def _fused_bwd(causal, windowed, res, d_out):
-    qh, kh, vh, segment_ids, window, out, lse = res
-    probs = jnp.exp(_scores(qh, kh, segment_ids, window, causal, windowed) - lse)            # [B, N, T, S] float32
-    d_q, d_k, d_v = _grads(probs, qh, kh, vh, d_out, _delta(d_out, out))
-    return (d_q.astype(qh.dtype), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None, None)
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-def _explicit(qh, kh, vh, segment_ids, q_index, causal, window, dropout: Any = None):
-    """Attention of query rows `q_index` (qh [B, N, T', D]) over all keys (kh, vh [B, N, S, D])."""
-    scale = qh.shape[-1] ** -0.5
-    scores = jnp.matmul(qh, jnp.swapaxes(kh, -1, -2), preferred_element_type=jnp.float32) * scale
-    scores = scores + _bias(_mask(segment_ids, q_index, jnp.arange(kh.shape[2]), causal, window))
-    scores = scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
-    weights = jnp.exp(scores)
-    total = jnp.sum(weights, axis=-1, keepdims=True)
-    if dropout is not None:
-        probs = dropout((weights / total).astype(qh.dtype), deterministic=False)
-        return jnp.matmul(probs, vh)
-    out = jnp.matmul(weights.astype(vh.dtype), vh, preferred_element_type=jnp.float32) / total
-    return out.astype(qh.dtype)
-
-
-def _query_blocks(x, block):
-    """[B, N, T, ...] -> [T / block, B, N, block, ...]."""
-    b, n, t = x.shape[:3]
-    return jnp.moveaxis(x.reshape((b, n, t // block, block) + x.shape[3:]), 2, 0)
-
-
-def _unblock(x):
-    """Inverse of `_query_blocks`."""
-    blocks, b, n, block = x.shape[:4]
-    return jnp.moveaxis(x, 0, 2).reshape((b, n, blocks * block) + x.shape[4:])
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _blockwise(qh, kh, vh, segment_ids, window, causal, windowed, block):
-    """`_fused` one block of `block` query rows at a time (forward: `lax.map`; backward: a scan that
-    adds up the key and value gradients), so one block's scores are alive at a time."""
-    return _blockwise_fwd(qh, kh, vh, segment_ids, window, causal, windowed, block)[0]
-
-
-def _blockwise_fwd(qh, kh, vh, segment_ids, window, causal, windowed, block):
-    def one(xs):
-        q_block, start = xs
-        return _softmax_values(_scores(q_block, kh, segment_ids, window, causal, windowed, start), vh,
-                               qh.dtype)
-
-    starts = jnp.arange(qh.shape[2] // block) * block
-    out, lse = jax.lax.map(one, (_query_blocks(qh, block), starts))
-    out, lse = _unblock(out), _unblock(lse)
-    return out, (qh, kh, vh, segment_ids, window, out, lse)
-
-
-def _blockwise_bwd(causal, windowed, block, res, d_out):
-    qh, kh, vh, segment_ids, window, out, lse = res
-
-    def one(carry, xs):
-        d_k, d_v = carry
-        q_block, d_out_block, lse_block, delta_block, start = xs
-        probs = jnp.exp(_scores(q_block, kh, segment_ids, window, causal, windowed, start) - lse_block)
-        d_q_block, d_k_part, d_v_part = _grads(probs, q_block, kh, vh, d_out_block, delta_block)
-        return (d_k + d_k_part, d_v + d_v_part), d_q_block.astype(qh.dtype)
-
-    starts = jnp.arange(qh.shape[2] // block) * block
-    xs = (_query_blocks(qh, block), _query_blocks(d_out, block), _query_blocks(lse, block),
-          _query_blocks(_delta(d_out, out), block), starts)
-    zeros = jnp.zeros(kh.shape, jnp.float32), jnp.zeros(vh.shape, jnp.float32)
-    (d_k, d_v), d_q = jax.lax.scan(one, zeros, xs)
-    return _unblock(d_q), d_k.astype(kh.dtype), d_v.astype(vh.dtype), None, None
-
-
-_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
-
-
-SPLASH_BLOCK = 128           # query/key block of the splash kernel (T must be a multiple)
-
-
-@functools.lru_cache(maxsize=None)
-def _splash_kernel(t: int, heads: int, causal: bool, window: int | None, interpret: bool):
-    """A splash-attention kernel for [heads, t, d] inputs (built once per shape and mask)."""
-    # Imported here: the Pallas TPU ops load only when splash is asked for.
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
-    if window is not None:
-        base = mask_lib.LocalMask((t, t), (window, 0 if causal else window), offset=0)
-    else:
-        base = mask_lib.CausalMask((t, t)) if causal else mask_lib.FullMask((t, t))
-    b = min(SPLASH_BLOCK, t)
-    sizes = kernel_lib.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
-                                  block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-    return kernel_lib.make_splash_mha_single_device(mask_lib.MultiHeadMask([base] * heads), block_sizes=sizes,
-                                                    interpret=interpret), kernel_lib.SegmentIds
-
-
-def _splash(q, k, v, segment_ids, causal, window):
-    b, t, n, d = q.shape
-    if t % SPLASH_BLOCK:
-        raise ValueError(f"splash attention needs a row length that is a multiple of {SPLASH_BLOCK}, got {t}")
-    groups = n // k.shape[2]
-    if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-    kernel, segments = _splash_kernel(t, n, causal, window, jax.default_backend() != "tpu")
-    qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q * d ** -0.5, k, v))        # [B, N, T, D]
-    one_row = lambda qr, kr, vr, sr: kernel(qr, kr, vr, segment_ids=segments(q=sr, kv=sr))  # noqa: E731
-    out = jax.vmap(one_row)(qh, kh, vh, segment_ids)
-    return jnp.swapaxes(out, 1, 2).astype(q.dtype)
+def row_multiple(head_dim: int, dtype: Any, dropout: bool = False) -> int | None:
+    """What packed row lengths must be a multiple of for the platform's fused attention (TPU splash: its
+    block of 128; GPU: the Pallas kernel's block of 64), None where nothing is required."""
+    probe = _probe(head_dim, dtype)
+    return ROW_MULTIPLES.get(choose(probe, probe, dropout=dropout).impl)

@@ -41,21 +41,29 @@ class Encoder:
         (`attention.costs_per_text`; `dropout`: trained with the checkpoint's dropout)."""
         return attention.costs_per_text(self.module.config.head_dim, self.module.dtype, dropout)
 
-    def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-        """Float32 token states [N, L, H] of token ids [N, L]."""
+    def attention_row_multiple(self, dropout: bool = False) -> int | None:
+        """What packed row lengths must be a multiple of for its attention kernel (`attention.row_multiple`)."""
+        return attention.row_multiple(self.module.config.head_dim, self.module.dtype, dropout)
+
+    def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None,
+               max_segments: int | None = None) -> jax.Array:
+        """Float32 token states [N, L, H] of token ids [N, L] (`mask`: segment ids; `max_segments`: at most
+        this many texts in a row, None: L)."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
-        out = self.module.apply({"params": params}, ids, mask, deterministic=dropout_rng is None, rngs=rngs)
+        with attention.options(getattr(self.module, "activation_sharding", None), max_segments):
+            out = self.module.apply({"params": params}, ids, mask, deterministic=dropout_rng is None, rngs=rngs)
         return out.astype(jnp.float32)
 
     def __call__(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
         """L2-normalized float32 embeddings [N, d] of token ids [N, L]."""
-        return l2_normalize(pool(self.hidden(params, ids, mask, dropout_rng), mask, self.pooling))
+        return l2_normalize(pool(self.hidden(params, ids, mask, dropout_rng, max_segments=1), mask, self.pooling))
 
     def packed_hidden(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
         """Float32 token states [S, rows * length, H] of packed texts (data.packing layout)."""
         s, rows, length = packed["ids"].shape
+        texts = packed["first"].shape[1]          # texts per shard: no row holds more
         hidden = self.hidden(params, packed["ids"].reshape(s * rows, length),
-                             packed["mask"].reshape(s * rows, length), dropout_rng)
+                             packed["mask"].reshape(s * rows, length), dropout_rng, max_segments=min(texts, length))
         return hidden.reshape(s, rows * length, -1)
 
     def packed(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:

@@ -1,10 +1,10 @@
-"""Interaction II: instruction-query cross-attention (paper Eq. 4, SPEC §2.3).
+"""Interaction II: instruction-query cross-attention (paper Eq. 4, docs/method.md §2.3.2).
 
     iq(j, k) = softmax( (i_j W_i) (H_k W_q1)^T / sqrt(d) ) (H_k W_q2)
 
 i_j = g(I_j) is the instruction's pooled embedding and H_k the token states
 of the query Q_k encoded alone. Eq. 4 is written for pooled vectors, where a
-softmax over a single key is identically 1; we read it, as SPEC §2.3 asks,
+softmax over a single key is identically 1; we read it, as docs/method.md §2.3.2 says,
 with the query's tokens as keys and values (padding masked) and the pooled
 instruction as the attention query. The result is L2-normalized like every
 other embedding.

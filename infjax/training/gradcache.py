@@ -1,4 +1,4 @@
-"""Gradient caching (SPEC §6): a global batch larger than one encoder pass can hold.
+"""Gradient caching (docs/method.md §6.2): a global batch larger than one encoder pass can hold.
 
 1. Encode every encoder input in chunks of `chunk_size` rows under `lax.map`, outside any
    differentiation, so no activation outlives its chunk.
@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from infjax import losses
 from infjax.models.encoder import Encoder
 from infjax.training import embed
-from infjax.training.mesh import BATCH_AXES
+from infjax.runtime.mesh import BATCH_AXES
 
 
 def to_chunks(x: jax.Array, n_chunks: int, mesh: Mesh | None = None) -> jax.Array:

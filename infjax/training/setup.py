@@ -23,8 +23,8 @@ from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 from infjax.models.hf import files as hf_files
 from infjax.models.encoder import Encoder
-from infjax.training import distributed
-from infjax.training import mesh as mesh_lib
+from infjax.runtime import distributed
+from infjax.runtime import mesh as mesh_lib
 from infjax.training import step as step_lib
 
 log = logging.getLogger("infjax")
@@ -119,8 +119,9 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
     steps = total_steps(config, plan)
     fixed = {side: config.data[OVERRIDES[side]] for side in sides if config.data[OVERRIDES[side]]}
     span = attention_span(encoder, config.model.dropout)
+    multiple = row_multiple(encoder, config.model.dropout)
     shapes = batches.measure_shapes(build, range(steps), shards, config.data.pack_shapes, fixed, PACK_SHAPE_GAIN,
-                                    span)
+                                    span, multiple)
     for side in sorted(sides):
         chunks = (build.chunks or {}).get(side, 1)
         texts = len(sides[side]) // shards // chunks
@@ -145,6 +146,12 @@ def attention_span(encoder: Encoder, dropout: bool) -> float:
     attention would cover whole rows (e.g. no compiler for the kernel) makes all of them cost whole rows."""
     whole_row = distributed.max_over_processes(int(not encoder.attention_costs_per_text(dropout)))
     return packing.ATTENTION_SPAN if whole_row else math.inf
+
+
+def row_multiple(encoder: Encoder, dropout: bool) -> int:
+    """What packed row lengths are a multiple of: packing.LENGTH_STEP, or what the encoder's attention kernel
+    needs (TPU splash: 128), the largest over the processes."""
+    return distributed.max_over_processes(encoder.attention_row_multiple(dropout) or packing.LENGTH_STEP)
 
 
 # A further packed shape is compiled only if it lowers the run's packed encoder cost by more than this share.

@@ -1,4 +1,4 @@
-"""Train state, optimizer, learning-rate schedule (SPEC §4) and the state's shardings.
+"""Train state, optimizer, learning-rate schedule (docs/method.md §4) and the state's shardings.
 
 Mixed precision: parameters (the master weights), gradients and the loss are float32;
 `config.model.dtype` only sets the encoders' compute dtype. `train.moments_dtype="bfloat16"`
@@ -14,8 +14,8 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from infjax.training import partitioning
-from infjax.training.mesh import put
+from infjax.runtime import partitioning
+from infjax.runtime.mesh import put
 
 MOMENTS_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16}
 

@@ -16,7 +16,7 @@ import os
 import socket
 
 from infjax.errors import UserError
-from infjax.training import storage
+from infjax.runtime import storage
 
 log = logging.getLogger("infjax.workdir")
 

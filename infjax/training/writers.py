@@ -15,7 +15,7 @@ import logging
 import math
 import re
 
-from infjax.training import storage
+from infjax.runtime import storage
 from infjax.training.workdir import MetricsLog
 
 log = logging.getLogger("infjax.writers")

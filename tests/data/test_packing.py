@@ -150,7 +150,7 @@ def _checkpoint(family, tmp_path_factory):
 @pytest.mark.parametrize("impl", ["explicit", "xla"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_factory, monkeypatch):
-    monkeypatch.setattr(A, "resolve_impl", lambda _: impl)
+    monkeypatch.setenv(A.ENV, impl)
     fam = FAMILIES[family]
     module, params, _, _ = fam.load(_checkpoint(family, tmp_path_factory))
     tokens = _tokens()
@@ -177,7 +177,9 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     """The real MiniLM: a packed global batch split over data=8 gives the padded batch's loss and gradients
     computed on one device (Interaction I with instruction negatives; Interaction II)."""
     from infjax.models.encoder import load_encoder
-    from infjax.training import embed, mesh as mesh_lib, setup as setup_lib
+    from infjax.runtime import mesh as mesh_lib
+
+    from infjax.training import embed, setup as setup_lib
 
     config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
                                          "data.query_max_len": 96, "data.passage_max_len": 96})
@@ -271,7 +273,7 @@ def test_planned_calls_hold_every_text_once_in_few_shapes_and_only_the_last_is_s
 
 def test_cpu_calls_are_cache_sized_and_accelerator_calls_scale_with_the_batch():
     from infjax.inference import embedders
-    from infjax.training.mesh import default_mesh, make_mesh
+    from infjax.runtime.mesh import default_mesh, make_mesh
 
     eight, one = default_mesh(), make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
     assert embedders.tokens_per_call(4, eight) == 4 * 128                  # small batches: as many as asked
@@ -295,7 +297,7 @@ def test_packed_text_embedder_equals_padded_on_8_devices():
     from infjax.data.tokenize import Tokenizer
     from infjax.inference.embedders import TextEmbedder
     from infjax.models.encoder import load_encoder
-    from infjax.training.mesh import default_mesh, replicated
+    from infjax.runtime.mesh import default_mesh, replicated
 
     encoder, params, path = load_encoder(base_config("multi_pi").model)
     mesh = default_mesh()

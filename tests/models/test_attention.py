@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from infjax.models import attention as A
+from infjax.models.kernels import reference as R
 
 
 @pytest.mark.parametrize("causal,window", [pytest.param(False, None, marks=pytest.mark.slow),
@@ -37,7 +38,7 @@ def test_segment_positions_restart_in_every_segment():
 
 
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, 2)])
-@pytest.mark.parametrize("block", [A.BLOCK, 4])
+@pytest.mark.parametrize("block", [R.BLOCK, 4])
 def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 8, 4, 8)), jnp.float32) for _ in range(3))

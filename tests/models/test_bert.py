@@ -14,7 +14,7 @@ from infjax.models import layers as L
 from infjax.models.bert import BertConfig, BertModel
 from infjax.models.encoder import load_encoder
 from infjax.models.pooling import l2_normalize, pool
-from infjax.training import partitioning
+from infjax.runtime import partitioning
 
 TEXTS = [
     "Find documents about cats.",

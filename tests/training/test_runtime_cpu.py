@@ -7,7 +7,7 @@ import textwrap
 import pytest
 
 from infjax.errors import ConfigError
-from infjax.training import host_memory as hm
+from infjax.runtime import cpu as hm
 
 LINUX = dict(system="Linux", libc="glibc", mode="madvise")
 CPU = {"JAX_PLATFORMS": "cpu"}
@@ -71,7 +71,7 @@ def test_restart_keeps_the_process_and_its_arguments_and_adds_the_tunable():
     out = _run("""
         import os, sys
         print("start", os.getpid(), sys.argv[1:], flush=True)
-        from infjax.training.host_memory import restart_with_huge_pages, describe
+        from infjax.runtime.cpu import restart_with_huge_pages, describe
         restart_with_huge_pages()
         print("after", os.getpid(), os.environ["GLIBC_TUNABLES"], describe())
     """, _env(GLIBC_TUNABLES="glibc.malloc.arena_max=4")).split("\n")

@@ -1,4 +1,4 @@
-"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (SPEC §6; the rules
+"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (docs/method.md §6.1; the rules
 themselves are each family's `partition_rules` in infjax/models/registry.py).
 
 A parameter's path is its keys joined by "/" (e.g. "shared/layer_3/attention/query/kernel").

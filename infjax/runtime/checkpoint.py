@@ -20,7 +20,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from infjax.errors import UserError
-from infjax.training import distributed, storage
+from infjax.runtime import distributed, storage
 
 log = logging.getLogger("infjax.checkpoint")
 

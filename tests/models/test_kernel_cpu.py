@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from infjax.models import attention as A
-from infjax.models import cpu_attention as C
+from infjax.models.kernels import cpu as C
 
 pytestmark = pytest.mark.skipif(not C.available(), reason="no C++ compiler to build the CPU attention kernel")
 
@@ -92,13 +92,17 @@ def test_kernel_runs_on_each_devices_rows_of_a_sharded_batch():
 
 
 def test_auto_takes_the_kernel_on_cpu_and_the_environment_overrides_it(monkeypatch):
-    assert A.resolve_impl("auto") == "kernel"
+    q = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.float32)
+    assert A.choose(q, q) == ("kernel", "auto on cpu")
+    bf16 = jax.ShapeDtypeStruct((2, 64, 4, 32), jnp.bfloat16)
+    impl, reason = A.choose(bf16, bf16)                       # bfloat16: the kernel passes, saying why
+    assert impl == "explicit" and reason.startswith("kernel: takes float32")
     monkeypatch.setenv(A.ENV, "explicit")
-    assert A.resolve_impl("auto") == "explicit"
-    assert A.resolve_impl("kernel") == "kernel"
+    assert A.choose(q, q).impl == "explicit"
+    assert A.choose(q, q, impl="kernel").impl == "kernel"
     monkeypatch.setenv(A.ENV, "fast")
     with pytest.raises(ValueError, match="INFJAX_ATTENTION='fast'"):
-        A.resolve_impl("auto")
+        A.choose(q, q)
 
 
 def test_build_compiles_once_into_the_cache_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):

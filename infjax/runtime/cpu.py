@@ -1,4 +1,9 @@
-"""Host memory for XLA:CPU programs: map each step's temporary buffer in huge pages.
+"""Process-level settings of runs on the CPU: huge pages for malloc, XLA:CPU's compiler options, the encoder call size.
+
+The one place outside the attention kernels (`infjax.models.kernels`) that looks at the platform.
+
+## Host memory: map each step's temporary buffer in huge pages
+
 
 XLA:CPU allocates an execution's temporary buffer (a MiniLM train step at 48 rows: ~2 GB) with malloc
 on a worker thread and frees it at the end. glibc maps a block that large afresh and unmaps it on
@@ -114,3 +119,39 @@ def describe(env=None) -> str:
     if f"{TUNABLE}=1" in env.get("GLIBC_TUNABLES", "").split(":") and mode in ("madvise", "always"):
         return f"host malloc: transparent huge pages ({TUNABLE}=1{', set by infjax' if env.get(ADDED) else ''})"
     return f"host malloc: the platform's default pages (transparent huge pages: {mode or 'unknown'})"
+
+
+def on_cpu(mesh) -> bool:
+    """Whether `mesh` (a jax.sharding.Mesh) is made of CPU devices."""
+    return mesh.devices.flat[0].platform == "cpu"
+
+
+# XLA:CPU schedules a program to run independent ops side by side by default, which keeps more of the
+# step's buffers alive at once. Scheduled for memory instead, MiniLM's step (48 rows, 256/512 tokens) peaks
+# at 4.4 instead of 5.1 GiB, its process max RSS drops by 0.9 GB and it runs ~10% faster on 2 cores (fewer
+# fresh pages to fault in per step). The option is XLA:CPU's, so it is passed on CPU meshes only.
+COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def compiler_options(mesh) -> dict | None:
+    """`jax.jit(..., compiler_options=)` for a train step on `mesh`: XLA:CPU's memory-optimised schedule on
+    CPU, nothing elsewhere."""
+    return COMPILER_OPTIONS if on_cpu(mesh) else None
+
+
+TOKENS_PER_SHARD = 1024    # on CPU, at most this many tokens per batch shard in one packed encoder call
+
+
+def cap_call_tokens(tokens: int, mesh, shards: int) -> int:
+    """`tokens` of one packed encoder call, capped on CPU at 1,024 per batch shard (`shards` of them), so a
+    call's activations stay in the caches (MiniLM at max_len 128 on 2 cores: 8,192-token calls encode
+    ~62 docs/s, 1,024-token calls ~85); accelerators take big calls that keep their matrix units busy."""
+    return min(tokens, TOKENS_PER_SHARD * shards) if on_cpu(mesh) else tokens
+
+
+def use_collectives(env) -> None:
+    """Before `jax.distributed.initialize` on CPU (the default platform, or JAX_PLATFORMS=cpu): cross-process
+    collectives through gloo (XLA:CPU has none of its own)."""
+    import jax      # here: the entry points call this module's restart before JAX is imported
+    if jax.config.jax_platforms in (None, "", "cpu") or env.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")

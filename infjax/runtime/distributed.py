@@ -16,6 +16,8 @@ import os
 import jax
 import numpy as np
 
+from infjax.runtime import cpu as runtime_cpu, platform
+
 log = logging.getLogger("infjax.distributed")
 
 DEFAULT_TIMEOUT_S = 1800
@@ -39,12 +41,11 @@ def initialize(env=None) -> dict:
     else:
         kwargs = None
     if kwargs is not None and not jax.distributed.is_initialized():
-        if jax.config.jax_platforms in (None, "", "cpu") or env.get("JAX_PLATFORMS", "") == "cpu":
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        runtime_cpu.use_collectives(env)
         jax.distributed.initialize(initialization_timeout=timeout, **kwargs)
     info = dict(process_index=jax.process_index(), process_count=jax.process_count(),
                 local_devices=jax.local_device_count(), global_devices=jax.device_count(),
-                platform=jax.devices()[0].platform)
+                platform=platform.name())
     log.info("process %(process_index)d of %(process_count)d: %(local_devices)d local devices, "
              "%(global_devices)d global devices (%(platform)s)", info)
     return info

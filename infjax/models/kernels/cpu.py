@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from infjax.models.kernels.masks import key_ranges
+
 HEAD_SIZES = (16, 32, 64, 128)
 _SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast")
@@ -124,24 +126,6 @@ def supports(q: jax.Array, k: jax.Array) -> bool:
     return q.dtype == k.dtype and takes(q.shape[-1], q.dtype)
 
 
-def key_ranges(segment_ids: jax.Array, causal: bool, window: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:
-    """First and one-past-last key [B, T] int32 that each query attends to: its segment, cut to the keys not
-    after it (`causal`) and to those at most `window` positions away (`window` may be a traced scalar, < 0
-    meaning none). Padding (segment 0) gets the empty range [0, 0)."""
-    b, t = segment_ids.shape
-    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    new = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    last = jnp.concatenate([segment_ids[:, 1:] != segment_ids[:, :-1], jnp.ones((b, 1), bool)], axis=1)
-    lo = jax.lax.cummax(jnp.where(new, idx, 0), axis=1)
-    hi = jax.lax.cummin(jnp.where(last, idx + 1, t), axis=1, reverse=True)
-    if causal:
-        hi = jnp.minimum(hi, idx + 1)
-    if window is not None:
-        window = jnp.asarray(window, jnp.int32)
-        lo = jnp.where(window >= 0, jnp.maximum(lo, idx - window), lo)
-        hi = jnp.where(window >= 0, jnp.minimum(hi, idx + window + 1), hi)
-    real = segment_ids > 0
-    return jnp.where(real, lo, 0).astype(jnp.int32), jnp.where(real, hi, 0).astype(jnp.int32)
 
 
 def _batch_partitioned(fn, rule: str):

@@ -10,7 +10,7 @@ import numpy as np
 
 from infjax.errors import UserError
 from infjax.models.encoder import Encoder, load_encoder
-from infjax.training import checkpoint, mesh as mesh_lib, partitioning, storage
+from infjax.runtime import checkpoint, mesh as mesh_lib, partitioning, storage
 
 
 @dataclasses.dataclass

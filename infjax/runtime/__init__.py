@@ -1,0 +1,4 @@
+"""Where the program runs: the device mesh and partitioning, multi-host start-up, storage (local or object
+store), Orbax checkpoints, restoring a run's parameters, and the process settings of CPU runs.
+
+Shared by training, inference, evaluation and export."""
