@@ -1,0 +1,656 @@
+"""Is infjax right and fast on this machine? `python -m infjax.bench accelerator [--out=FILE.json] [--reduced]`.
+
+One command for a machine with one GPU (or a TPU VM), under 10 minutes; writes one JSON file (default
+accelerator.json in the working directory) and prints a short table. Sections:
+
+- ``attention``: for each family's attention shape (BERT; ModernBERT's local-window and global layers; Llama's
+  and Qwen2's causal grouped-query attention) on packed rows (several texts of random lengths per row and a
+  padding tail), in float32 and bfloat16, for every implementation of the platform (`attention.CANDIDATES`)
+  plus "xla" and "explicit": the implementation `attention.choose` picks when asked for it (a fallback shows),
+  the largest difference of the outputs and of the q/k/v gradients from "explicit" in float32 on the real
+  tokens, and the forward+backward time (median after warm-up).
+- ``numerics``: a few training steps of a tiny random BERT and a tiny random Qwen2 in bfloat16 and float32 from
+  the same parameters on the same records (the project's train step); both loss curves and their largest
+  relative difference, against a tolerance.
+- ``scale`` (accelerators, full form): the paper's shapes with random weights (no hub): BERT-base (e5-base-v2's
+  sizes) and Qwen2.5-1.5B (remat, scanned layers) at query/passage max lengths 256/512, bfloat16, 32 records
+  per batch with hard negatives: step time, real tokens/s, MFU from the compiled FLOPs, peak device memory and
+  the attention implementation the step used.
+- ``vs_torch`` (full form, where torch has a CUDA device): the same rows through a plain PyTorch loop on the same
+  device (HF model with sdpa attention, bf16 autocast, dynamic padding, AdamW, in-batch softmax), rows/s of
+  both and their ratio. The torch loop runs in a child process; so that both fit on one device, JAX is given
+  half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless already set).
+
+On CPU the reduced form runs (also with --reduced): tiny shapes, the GPU ("pallas") and TPU ("splash") kernels
+in Pallas interpret mode, a few numerics steps; ``scale`` and ``vs_torch`` are recorded as skipped. Each
+section records ``{"error": ...}`` instead of stopping the command, so the JSON always comes out.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from infjax import config as config_lib
+from infjax.benchmarks import train as bench_train
+from infjax.data.batches import real_tokens
+from infjax.models import attention, kernels
+from infjax.models.hf import files as hf_files
+from infjax.runtime import cpu as runtime_cpu, platform
+from infjax.training import state as state_lib
+
+USAGE = "usage: python -m infjax.bench accelerator [--out=FILE.json] [--reduced]"
+
+# Attention shapes of the families: (query heads, kv heads, head size, causal, window). ModernBERT's local
+# layers see 64 tokens each side (its local_attention 128), its global layers the whole text.
+SHAPES = {
+    "bert": (12, 12, 64, False, None),
+    "modernbert-local": (12, 12, 64, False, 64),
+    "modernbert-global": (12, 12, 64, False, None),
+    "llama": (32, 8, 64, True, None),
+    "qwen2": (12, 2, 128, True, None),
+}
+# Reduced form: fewer heads (the same query/kv ratio where small enough), the same head sizes, a window that
+# is shorter than the texts of a 128-token row.
+REDUCED_HEADS = {"bert": (2, 2), "modernbert-local": (2, 2), "modernbert-global": (2, 2), "llama": (4, 1),
+                 "qwen2": (2, 1)}
+REDUCED_WINDOW = 16
+REDUCED_SAME = ("modernbert-global",)    # with the reduced heads, the very shape of "bert": not run twice
+FULL_ROWS, REDUCED_ROWS = (8, 2048), (2, 128)
+
+# Largest difference from explicit float32, relative to the largest |value| of the reference. float32: the
+# implementations differ in summation order and in exp/rescaling only, ~1e-6 is typical. bfloat16: inputs and
+# outputs are rounded to an 8-bit mantissa (2^-9 ~ 2e-3 relative per value) and the kernels multiply the
+# probabilities in bf16 as well, so the gradients (sums over a row of such products) are ~1e-2 off.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+
+# Numerics: losses of bf16 and f32 training from the same start. Each bf16 op is ~3e-3 relative off; 30 steps of
+# AdamW at a small learning rate move the parameters little, so the curves stay within a few percent of each
+# other (relative to the loss, about log(batch) ~ 2-4) -- a broken kernel or cast gives NaN or losses that differ
+# by tens of percent. Pass: every step's |bf16 - f32| <= max(NUMERICS_REL * |f32|, NUMERICS_ABS).
+NUMERICS_REL, NUMERICS_ABS = 0.05, 0.05
+
+# Tokenizer files copied next to a generated config.json (the embedded MiniLM's BERT wordpiece tokenizer: ids
+# below 30522, so it serves every vocabulary at least that large).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
+
+BERT_BASE = dict(model_type="bert", architectures=["BertModel"], hidden_size=768, num_hidden_layers=12,
+                 num_attention_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512,
+                 type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12, hidden_dropout_prob=0.1,
+                 attention_probs_dropout_prob=0.1, pad_token_id=0)
+QWEN25_15B = dict(model_type="qwen2", architectures=["Qwen2Model"], hidden_size=1536, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
+                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  hidden_act="silu", pad_token_id=0)
+
+
+def _tiny(base: dict, hidden: int, layers: int, heads: int, kv: int | None, intermediate: int) -> dict:
+    out = dict(base, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+               intermediate_size=intermediate)
+    if kv is not None:
+        out["num_key_value_heads"] = kv
+    if base["model_type"] == "qwen2":
+        out["vocab_size"] = 30522
+    return out
+
+
+def _error(e: BaseException) -> dict:
+    line = (str(e).strip().splitlines() or [""])[0][:500]
+    return {"error": f"{type(e).__name__}: {line}"}
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+def packed_segments(rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
+    """Segment ids [rows, length]: texts of random lengths (1, 2, ...) then a padding tail (0)."""
+    ids = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        end = length - int(rng.integers(length // 16, length // 4 + 1))
+        pos, seg = 0, 1
+        while pos < end:
+            n = min(int(rng.integers(max(4, length // 16), max(5, length // 3))), end - pos)
+            ids[r, pos:pos + n] = seg
+            pos, seg = pos + n, seg + 1
+    return ids
+
+
+def _timed(f, args, repeats: int) -> float:
+    """Median seconds of `repeats` calls of `f` (called once already: compiled and warm)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def attention_impls() -> list[str]:
+    """The platform's candidates, "xla" and "explicit"; on CPU the GPU and TPU kernels in interpret mode too."""
+    name = kernels.platform()
+    impls = list(attention.CANDIDATES.get(name, ()))
+    if name == "cpu":
+        impls += ["pallas", "splash"]
+    return impls + ["xla", "explicit"]
+
+
+def attention_section(reduced: bool, repeats: int) -> list[dict]:
+    rows, length = REDUCED_ROWS if reduced else FULL_ROWS
+    rng = np.random.default_rng(0)
+    out = []
+    for family, (heads, kv, dim, causal, window) in SHAPES.items():
+        if reduced and family in REDUCED_SAME:
+            continue
+        if reduced:
+            heads, kv = REDUCED_HEADS[family]
+            window = REDUCED_WINDOW if window is not None else None
+        seg = jnp.asarray(packed_segments(rng, rows, length))
+        real = np.asarray(seg) > 0
+        q32, k32, v32 = (jnp.asarray(rng.standard_normal((rows, length, n, dim)), jnp.float32) for n in (heads, kv, kv))
+        ct = jnp.asarray(rng.standard_normal((rows, length, heads, dim)) * real[:, :, None, None], jnp.float32)
+
+        def fwd_bwd(impl, q, k, v):
+            def loss(q, k, v):
+                o = attention.attention(q, k, v, seg, causal=causal, window=window, impl=impl)
+                return jnp.sum(o.astype(jnp.float32) * ct), o
+            (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            return o, grads
+
+        for dtype in (jnp.float32, jnp.bfloat16):
+            q, k, v = (x.astype(dtype) for x in (q32, k32, v32))
+            # the reference: explicit in float32 on the very (rounded) inputs the implementation gets
+            reference = jax.jit(functools.partial(fwd_bwd, "explicit"))
+            ref_o, ref_g = reference(*(x.astype(jnp.float32) for x in (q, k, v)))
+            refs = {"out": ref_o, "dq": ref_g[0], "dk": ref_g[1], "dv": ref_g[2]}
+            # measured once per implementation that runs: a request that falls back reuses its figures
+            measured = {}
+            for impl in attention_impls():
+                row = {"family": family, "dtype": jnp.dtype(dtype).name, "rows": rows, "length": length,
+                       "heads": heads, "kv_heads": kv, "head_dim": dim, "causal": causal, "window": window,
+                       "texts": int(np.asarray(seg).max(axis=1).sum()), "real_tokens": int(real.sum()),
+                       "asked": impl}
+                try:
+                    choice = attention.choose(q, k, causal=causal, window=window, impl=impl)
+                    row.update(chosen=choice.impl, reason=choice.reason)
+                    if choice.impl not in measured:
+                        f = reference if (choice.impl, dtype) == ("explicit", jnp.float32) else \
+                            jax.jit(functools.partial(fwd_bwd, choice.impl))
+                        t0 = time.perf_counter()
+                        o, g = jax.block_until_ready(f(q, k, v))
+                        first = time.perf_counter() - t0
+                        got = {"out": o, "dq": g[0], "dk": g[1], "dv": g[2]}
+                        diffs, rel = {}, {}
+                        for name, r in refs.items():
+                            d = np.abs(np.asarray(got[name], np.float32) - np.asarray(r))[real]
+                            scale = float(np.abs(np.asarray(r)[real]).max())
+                            diffs[name] = float(d.max())
+                            rel[name] = float(d.max()) / max(scale, 1e-30)
+                        median = _timed(f, (q, k, v), repeats)
+                        tol = TOLERANCE[row["dtype"]]
+                        measured[choice.impl] = dict(
+                            max_abs_diff=diffs, max_rel_diff=rel, tolerance=tol, compile_s=first,
+                            fwd_bwd_ms=median * 1e3, ok=bool(all(np.isfinite(x) and x <= tol for x in rel.values())))
+                    row.update(measured[choice.impl])
+                except Exception as e:     # noqa: BLE001 - one implementation's failure is a result, not the end
+                    row.update(_error(e), ok=False)
+                out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+def checkpoint_folder(hf_config: dict, root: str) -> str:
+    """A checkpoint folder with `hf_config` as config.json and the embedded MiniLM's tokenizer (no weights:
+    load it with weights=False and fill the params with `random_params`)."""
+    folder = tempfile.mkdtemp(prefix=f"{hf_config['model_type']}_", dir=root)
+    src = hf_files.embedded_minilm_path()
+    for name in TOKENIZER_FILES:
+        shutil.copy(os.path.join(src, name), folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf_config, f)
+    return folder
+
+
+def random_params(abstract, shardings, seed: int = 0):
+    """Parameters of the tree `abstract` drawn on the devices: norm scales 1, biases 0, the rest N(0, 0.02^2)."""
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+
+    def draw(key):
+        keys = jax.random.split(key, len(paths))
+        out = []
+        for kk, (path, x) in zip(keys, paths):
+            last = str(getattr(path[-1], "key", path[-1]))
+            if last == "scale":
+                out.append(jnp.ones(x.shape, x.dtype))
+            elif last == "bias":
+                out.append(jnp.zeros(x.shape, x.dtype))
+            else:
+                out.append((0.02 * jax.random.normal(kk, x.shape, jnp.float32)).astype(x.dtype))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    return jax.jit(draw, out_shardings=shardings)(jax.random.key(seed))
+
+
+def run_config(folder: str, dtype: str, query_max_len: int, passage_max_len: int, batch_size: int, steps: int,
+               decoder: bool, learning_rate: float = 5e-5):
+    c = config_lib.base_config("uni_p")
+    overrides = {"model.checkpoint": folder, "model.dtype": dtype, "data.query_max_len": query_max_len,
+                 "data.passage_max_len": passage_max_len, "train.batch_size": batch_size, "train.steps": steps,
+                 "train.learning_rate": learning_rate, "eval.synthetic": False, "eval.canary": ""}
+    if decoder:
+        overrides.update({"model.pooling": "last", "model.remat": True, "model.scan_layers": True})
+    return config_lib.override(c, overrides)
+
+
+class Run:
+    """bench train's Setup (the run's real step, batches and mesh) with random weights on the devices."""
+
+    def __init__(self, config, records, params=None, keep: bool = False):
+        """`params`: drawn for another Run of the same model (params are float32 whatever model.dtype is);
+        copied, since the state takes its parameters' buffers (donated). `keep`: keep a copy of the initial
+        parameters as `initial`, for another Run."""
+        self.setup = bench_train.Setup(config, records, weights=False)
+        fresh = params is None
+        if fresh:
+            params = random_params(self.setup.params, self.setup.shardings.params, config.train.seed)
+        self.state, _ = state_lib.create_sharded_state(params if fresh else jax.tree.map(jnp.copy, params),
+                                                       self.setup.optimizer, config.train.seed,
+                                                       self.setup.encoder.module, self.setup.mesh)
+        self.initial = (jax.tree.map(jnp.copy, self.state.params) if fresh else params) if keep else None
+
+    def batches(self, n: int) -> list:
+        return [self.setup.batch(i) for i in range(n)]
+
+
+class _Choices(logging.Handler):
+    """Collects the attention choices logged by `attention.attention` while tracing."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message not in self.messages:
+            self.messages.append(message)
+
+
+@contextlib.contextmanager
+def captured_choices():
+    handler, log = _Choices(), logging.getLogger(attention.__name__)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    attention._REPORTED.clear()          # each distinct choice is logged once per process: log it again here
+    try:
+        yield handler.messages
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+# ----------------------------------------------------------------------------------------------- numerics
+
+def numerics_section(reduced: bool, root: str) -> dict:
+    if reduced:
+        steps, hidden, inter, layers, batch, lens = 5, 64, 128, 2, 4, (32, 64)
+    else:
+        steps, hidden, inter, layers, batch, lens = 30, 128, 256, 3, 8, (64, 128)
+    models = {"bert": _tiny(BERT_BASE, hidden, layers, 4, None, inter),
+              "qwen2": _tiny(QWEN25_15B, hidden, layers, 4, 2, inter)}
+    records = bench_train.inf_ir_shaped_records(batch * steps, seed=1)
+    out = {"steps": steps, "rows_per_step": 3 * batch, "max_len": list(lens),
+           "tolerance": {"relative": NUMERICS_REL, "absolute": NUMERICS_ABS}}
+    for name, hf_config in models.items():
+        try:
+            folder = checkpoint_folder(hf_config, root)
+            curves, skipped, params = {}, {}, None
+            for dtype in ("float32", "bfloat16"):
+                config = run_config(folder, dtype, *lens, batch, steps, name == "qwen2", learning_rate=1e-4)
+                config.data.pack_shapes = 1        # one compiled step per run
+                run = Run(config, records, params, keep=True)
+                params = run.initial           # the bf16 run starts from the very same parameters
+                state, losses = run.state, []
+                for b in run.batches(steps):
+                    state, metrics = run.setup.step(state, b)
+                    losses.append(float(metrics["loss"]))
+                curves[dtype] = losses
+                skipped[dtype] = int(state.skipped)
+            f32, bf16 = np.asarray(curves["float32"]), np.asarray(curves["bfloat16"])
+            diff = np.abs(bf16 - f32)
+            finite = bool(np.isfinite(f32).all() and np.isfinite(bf16).all())
+            out[name] = {"hf_config": {k: hf_config[k] for k in ("hidden_size", "num_hidden_layers",
+                                                                  "num_attention_heads", "intermediate_size")},
+                         "loss_float32": curves["float32"], "loss_bfloat16": curves["bfloat16"],
+                         "skipped_steps": skipped, "finite": finite,
+                         "max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / np.abs(f32)).max()),
+                         "passed": finite and bool((diff <= np.maximum(NUMERICS_REL * np.abs(f32),
+                                                                      NUMERICS_ABS)).all())
+                         and not any(skipped.values())}
+        except Exception as e:    # noqa: BLE001
+            traceback.print_exc()
+            out[name] = dict(_error(e), passed=False)
+    out["passed"] = all(out[m].get("passed", False) for m in models)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- scale
+
+SCALE_MODELS = {"bert-base": (BERT_BASE, False), "qwen2.5-1.5b": (QWEN25_15B, True)}
+SCALE_LENS = (256, 512)
+SCALE_BATCH = 32          # the paper's records per batch; 3 rows each with hard negatives
+SCALE_WARMUP, SCALE_STEPS = 2, 8
+
+
+def _peak_memory() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
+    """(figures, the rows of each step as [queries, passages]) of one shape."""
+    folder = checkpoint_folder(hf_config, root)
+    n = SCALE_WARMUP + SCALE_STEPS
+    config = run_config(folder, "bfloat16", *SCALE_LENS, SCALE_BATCH, n, decoder)
+    records = bench_train.inf_ir_shaped_records(max(4 * SCALE_BATCH * n, 256))
+    with captured_choices() as choices:
+        run = Run(config, records)
+        batches = run.batches(n)
+        t0 = time.perf_counter()
+        compiled = {}
+        for b in batches:
+            if bench_train._shape(b) not in compiled:
+                compiled[bench_train._shape(b)] = run.setup.compile(b)
+        compile_s = time.perf_counter() - t0
+    state = run.state
+    for b in batches[:SCALE_WARMUP]:
+        state, metrics = compiled[bench_train._shape(b)](state, b)
+    jax.block_until_ready(state)
+    times = []
+    for b in batches[SCALE_WARMUP:]:
+        t0 = time.perf_counter()
+        state, metrics = compiled[bench_train._shape(b)](state, b)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+    seconds = float(np.median(times))
+    timed = batches[SCALE_WARMUP:]
+    flops = float(np.mean([bench_train.flops_of(compiled[bench_train._shape(b)]) for b in timed]))
+    real = float(np.mean([real_tokens(jax.device_get(b)) for b in timed]))
+    peak = bench_train.peak_flops(jax.devices()[0])
+    heads, kv = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
+    dim = hf_config["hidden_size"] // heads
+    probe = jax.ShapeDtypeStruct((1, SCALE_LENS[1], heads, dim), jnp.bfloat16)
+    probe_k = jax.ShapeDtypeStruct((1, SCALE_LENS[1], kv, dim), jnp.bfloat16)
+    rows = run.setup.build.global_rows
+    result = {"rows_per_step": rows, "max_len": list(SCALE_LENS), "compile_s": compile_s, "step_s": seconds,
+              "step_times": times, "rows_per_s": rows / seconds, "real_tokens_per_s": real / seconds,
+              "flops_per_step": flops, "mfu": (flops / seconds / peak) if peak and flops else None,
+              "compiled_peak_bytes": max(bench_train.peak_bytes(c) for c in compiled.values()),
+              "peak_bytes_in_use": _peak_memory(), "loss_last": float(metrics["loss"]),
+              "attention_choice": attention.choose(probe, probe_k, causal=decoder).impl,
+              "attention_log": choices}
+    build = run.setup.build
+    texts = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(n)]
+    del run, state, compiled, batches
+    return result, texts
+
+
+# ----------------------------------------------------------------------------------------------- vs torch
+
+def torch_status() -> str | None:
+    """Why the PyTorch loop cannot run on this device (None: it can), asked in a child process so that this
+    one does not hold a CUDA context."""
+    code = "import torch, transformers; print(torch.cuda.is_available())"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=runtime_cpu.plain_env())
+    if p.returncode != 0:
+        return f"torch/transformers not importable: {(p.stderr.strip().splitlines() or [''])[-1]}"
+    if p.stdout.strip() != "True":
+        return "torch has no CUDA device"
+    return None
+
+
+def torch_in_child(texts: list, hf_config: dict, folder: str, decoder: bool) -> dict:
+    job = {"steps": texts, "warmup": SCALE_WARMUP, "hf_config": hf_config, "tokenizer": folder,
+           "query_max_len": SCALE_LENS[0], "passage_max_len": SCALE_LENS[1], "temperature": 0.05,
+           "learning_rate": 5e-5, "decoder": decoder}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(job, f)
+    try:
+        p = subprocess.run([sys.executable, "-m", "infjax.benchmarks.accelerator", "--torch_child", f.name],
+                           capture_output=True, text=True, env=runtime_cpu.plain_env())
+    finally:
+        os.unlink(f.name)
+    if p.returncode != 0:
+        tail = [x for x in p.stderr.strip().splitlines() if x.strip()]
+        return {"error": tail[-1][:500] if tail else f"exit {p.returncode}"}
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def torch_child(path: str) -> None:
+    """The PyTorch loop on the GPU: HF model (sdpa) from the config, bf16 autocast, dynamic padding, AdamW,
+    in-batch softmax of q . p^T / temperature (pooling: mean for encoders, last token for decoders)."""
+    import torch
+    import transformers
+
+    job = json.load(open(path))
+    torch.manual_seed(0)
+    cfg = dict(job["hf_config"])
+    config = transformers.AutoConfig.for_model(cfg.pop("model_type"), **cfg, use_cache=False)
+    device = job.get("device", "cuda")          # "cpu": a check of this loop where no GPU is at hand
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    model = transformers.AutoModel.from_config(config, attn_implementation="sdpa").to(device).train()
+    if job["decoder"]:
+        # as infjax's remat: the activations of 28 layers do not fit (transformers 5 renamed the method)
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    tok = transformers.AutoTokenizer.from_pretrained(job["tokenizer"])
+    tok.padding_side = "left" if job["decoder"] else "right"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["learning_rate"], weight_decay=0.0)
+
+    def features(texts, max_len):
+        return {k: v.to(device) for k, v in tok(texts, padding=True, truncation=True, max_length=max_len,
+                                           return_tensors="pt").items() if k in ("input_ids", "attention_mask")}
+
+    def embed(f):
+        hidden = model(**f).last_hidden_state
+        if job["decoder"]:
+            pooled = hidden[:, -1]
+        else:
+            m = f["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            pooled = (hidden * m).sum(1) / m.sum(1)
+        return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+    batches = [(features(q, job["query_max_len"]), features(p, job["passage_max_len"])) for q, p in job["steps"]]
+    times = []
+    for q, p in batches:
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            eq, ep = embed(q), embed(p)
+        logits = eq @ ep.T / job["temperature"]
+        labels = torch.arange(len(eq), device=logits.device) * (len(ep) // len(eq))
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    timed = times[job["warmup"]:]
+    print(json.dumps({"step_s": float(np.median(timed)), "step_times": timed,
+                      "peak_bytes": int(torch.cuda.max_memory_allocated()) if device == "cuda" else None,
+                      "torch": torch.__version__,
+                      "loss_last": loss.item()}))
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+def _table(report: dict) -> str:
+    lines = []
+    att = report["sections"]["attention"]
+    if isinstance(att, dict):
+        lines.append(f"attention: {att.get('error', att.get('skipped'))}")
+    else:
+        lines.append(f"{'family':<18} {'dtype':<9} {'asked':<9} {'chosen':<9} {'out':>8} {'dq':>8} {'dk':>8} "
+                     f"{'dv':>8} {'ms':>9}  ok")
+        for r in att:
+            if "error" in r:
+                lines.append(f"{r['family']:<18} {r['dtype']:<9} {r['asked']:<9} {r.get('chosen', '-'):<9} "
+                             f"{r['error']}")
+                continue
+            d = r["max_rel_diff"]
+            lines.append(f"{r['family']:<18} {r['dtype']:<9} {r['asked']:<9} {r['chosen']:<9} "
+                         + " ".join(f"{d[k]:8.1e}" for k in ("out", "dq", "dk", "dv"))
+                         + f" {r['fwd_bwd_ms']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
+        lines.append("(max |impl - explicit f32| / max |explicit| on real tokens; ms: forward+backward, median)")
+    num = report["sections"]["numerics"]
+    for name in ("bert", "qwen2"):
+        e = num.get(name, {})
+        if "error" in e or "skipped" in num:
+            lines.append(f"numerics {name}: {e.get('error', num.get('skipped'))}")
+        elif e:
+            lines.append(f"numerics {name}: {num['steps']} steps, loss f32 {e['loss_float32'][0]:.4f} -> "
+                         f"{e['loss_float32'][-1]:.4f}, bf16 {e['loss_bfloat16'][0]:.4f} -> {e['loss_bfloat16'][-1]:.4f}, "
+                         f"max rel diff {e['max_rel_diff']:.2e}: {'passed' if e['passed'] else 'FAILED'}")
+    for section in ("scale", "vs_torch"):
+        s = report["sections"][section]
+        if "skipped" in s or "error" in s:
+            lines.append(f"{section}: {s.get('skipped', s.get('error'))}")
+            continue
+        for name, r in s.items():
+            if not isinstance(r, dict):
+                continue
+            if "error" in r or "skipped" in r:
+                lines.append(f"{section} {name}: {r.get('error', r.get('skipped'))}")
+            elif section == "scale":
+                mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+                peak = r["peak_bytes_in_use"] or r["compiled_peak_bytes"]
+                lines.append(f"scale {name}: step {r['step_s'] * 1e3:.0f} ms, {r['rows_per_s']:.0f} rows/s, "
+                             f"{r['real_tokens_per_s']:.0f} real tokens/s, MFU {mfu}, peak {peak / 2**30:.1f} GiB, "
+                             f"attention {r['attention_choice']}")
+            else:
+                lines.append(f"vs_torch {name}: infjax {r['infjax_rows_per_s']:.0f} rows/s, torch "
+                             f"{r['torch_rows_per_s']:.0f} rows/s, ratio {r['ratio']:.2f}x")
+    times = ", ".join(f"{k} {v:.1f} s" for k, v in report.get("section_s", {}).items())
+    lines.append(f"total {report['wall_s']:.1f} s ({times}); written to {report['out']}")
+    return "\n".join(lines)
+
+
+def _args(argv: list[str]) -> tuple[str, bool]:
+    out, reduced = "accelerator.json", False
+    for a in argv:
+        if a in ("-h", "--help"):
+            print(USAGE)
+            raise SystemExit(0)
+        if a.startswith("--out="):
+            out = a.split("=", 1)[1]
+        elif a == "--reduced":
+            reduced = True
+        else:
+            raise SystemExit(f"unknown flag {a!r}; {USAGE}")
+    return out, reduced
+
+
+def main(argv: list[str]) -> None:
+    out_path, reduced = _args(argv)
+    t_start = time.perf_counter()
+    accelerator_expected = not runtime_cpu.runs_on_cpu(os.environ)
+    torch_reason = None
+    if accelerator_expected and not reduced:
+        torch_reason = torch_status()
+        if torch_reason is None:            # before JAX starts: leave the torch child half of the device
+            os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    on_accelerator = kernels.platform() != "cpu"
+    reduced = reduced or not on_accelerator
+    report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+              "device": platform.describe(), "platform": kernels.platform(),
+              "form": "reduced" if reduced else "full",
+              "jax_memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"), "sections": {}}
+    sections = report["sections"]
+    print(f"infjax accelerator check: {report['device']}, {report['form']} form")
+    root = tempfile.mkdtemp(prefix="infjax_accelerator_")
+    try:
+        t0 = time.perf_counter()
+        try:
+            sections["attention"] = attention_section(reduced, repeats=1 if reduced else 5)
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            sections["attention"] = _error(e)
+        report["section_s"] = {"attention": time.perf_counter() - t0}
+        t0 = time.perf_counter()
+        try:
+            sections["numerics"] = numerics_section(reduced, root)
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            sections["numerics"] = dict(_error(e), passed=False)
+        report["section_s"]["numerics"] = time.perf_counter() - t0
+        if not on_accelerator or reduced:
+            why = "no accelerator" if not on_accelerator else "reduced form"
+            sections["scale"] = {"skipped": why}
+            sections["vs_torch"] = {"skipped": why}
+        else:
+            t0 = time.perf_counter()
+            scale_and_torch(sections, root, torch_reason)
+            report["section_s"]["scale_and_vs_torch"] = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report["wall_s"] = time.perf_counter() - t_start
+    report["out"] = os.path.abspath(out_path)
+    os.makedirs(os.path.dirname(report["out"]), exist_ok=True)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(_table(report))
+
+
+def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None:
+    scale, vs = {}, ({"skipped": torch_reason} if torch_reason else {})
+    sections["scale"], sections["vs_torch"] = scale, vs
+    for name, (hf_config, decoder) in SCALE_MODELS.items():
+        texts = None
+        try:
+            scale[name], texts = scale_one(hf_config, decoder, root)
+        except Exception as e:   # noqa: BLE001 - e.g. out of memory: record the line and go on
+            traceback.print_exc()
+            scale[name] = _error(e)
+        jax.clear_caches()
+        if torch_reason:
+            continue
+        if texts is None:
+            vs[name] = {"skipped": "the infjax run of this shape failed"}
+            continue
+        try:
+            t = torch_in_child(texts, hf_config, checkpoint_folder(hf_config, root), decoder)
+            if "error" in t:
+                vs[name] = t
+                continue
+            mine = scale[name]["rows_per_s"]
+            theirs = scale[name]["rows_per_step"] / t["step_s"]      # the same rows per step
+            vs[name] = {"infjax_rows_per_s": mine, "torch_rows_per_s": theirs, "ratio": mine / theirs, "torch": t}
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            vs[name] = _error(e)
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except Exception:   # noqa: BLE001
+        return None
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--torch_child":
+        torch_child(sys.argv[2])
