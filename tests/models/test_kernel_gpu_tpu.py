@@ -160,6 +160,7 @@ def _sharded_step_parts(impl, monkeypatch):
     return float(loss), jax.device_get(grads), text
 
 
+@pytest.mark.slow       # ~70 s on 2 cores (two compiles of MiniLM's step, splash interpreted): CI's slow run
 def test_splash_under_shard_map_in_a_sharded_train_step_equals_the_explicit_path(monkeypatch):
     q = jax.ShapeDtypeStruct((24, 128, 12, 32), jnp.float32)
     assert A.choose(q, q, impl="splash").impl == "splash"
