@@ -5,7 +5,9 @@ Each NAME is a module infjax/benchmarks/<name with - as _>.py with a
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -14,20 +16,40 @@ if __name__ == "__main__":   # glibc reads its tunables once, at start: restart 
     restart_with_huge_pages()
 
 import infjax.benchmarks
-from infjax import errors
+from infjax import cli, errors
+
+
+PROG = "python -m infjax.bench"
+
+
+CHILDREN = {"restore-run", "torch-loop"}     # modules of infjax/benchmarks that benchmarks run in a child process
 
 
 def available() -> list[str]:
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(infjax.benchmarks.__path__))
+    return sorted(name for m in pkgutil.iter_modules(infjax.benchmarks.__path__)
+                  if (name := m.name.replace("_", "-")) not in CHILDREN)
+
+
+def summary(name: str) -> str:
+    """The first line of a benchmark's docstring, read without importing it (some import torch)."""
+    path = os.path.join(os.path.dirname(infjax.benchmarks.__file__), name.replace("-", "_") + ".py")
+    with open(path, encoding="utf-8") as f:
+        doc = ast.get_docstring(ast.parse(f.read())) or ""
+    return doc.split("\n", 1)[0]
+
+
+def usage() -> str:
+    return "\n".join([f"usage: {PROG} NAME [flags]   ({PROG} NAME --help lists the flags of NAME, with defaults)",
+                      "", "benchmarks:", *(f"  {n}: {summary(n)}" for n in available())])
 
 
 def main(argv: list[str]) -> int:
     names = available()
-    if len(argv) < 1 or argv[0] in ("-h", "--help"):
-        print(f"usage: python -m infjax.bench NAME [flags]; NAME in {names}")
+    if len(argv) < 1 or argv[0] in cli.HELP:
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     if argv[0] not in names:
-        print(f"unknown benchmark {argv[0]!r}; available: {names}", file=sys.stderr)
+        print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of {names}", file=sys.stderr)
         return 2
     try:
         importlib.import_module(f"infjax.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])

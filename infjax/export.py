@@ -18,7 +18,6 @@ bad size).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -28,8 +27,9 @@ import tempfile
 from typing import Any, Mapping
 
 import numpy as np
+from absl import flags
 
-from infjax import errors
+from infjax import cli, errors
 from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
 from infjax.models.hf import files as hf_files
@@ -421,21 +421,26 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
         base=config.model.checkpoint, run=workdir, step=run.step, max_seq_length=max_seq_length)
 
 
+PROG = "python -m infjax.export"
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    """Every flag of `python -m infjax.export`, into `fv`."""
+    flags.DEFINE_string("workdir", None, "run directory (holds checkpoints/<step>); a local folder or an "
+                        "object-store URL (gs://bucket/runs/x)", flag_values=fv)
+    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=fv)
+    flags.DEFINE_string("out", None, "output folder DIR, local or gs://... (must be empty unless --overwrite)",
+                        flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty DIR", flag_values=fv)
+    flags.DEFINE_string("max_shard_size", DEFAULT_MAX_SHARD_SIZE, "shard model.safetensors above this size",
+                        flag_values=fv)
+    flags.DEFINE_integer("max_seq_length", None, "tokens sentence-transformers reads (default: the longer of the "
+                         "training length and the base model's own max_seq_length)", flag_values=fv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infjax.export",
-                                     description="Export an infjax run as a Hugging Face / sentence-transformers folder.")
-    parser.add_argument("--workdir", required=True, help="run directory (holds checkpoints/<step>); a local "
-                        "folder or an object-store URL (gs://bucket/runs/x)")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-    parser.add_argument("--out", required=True, help="output folder DIR, local or gs://... (must be empty "
-                        "unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty DIR")
-    parser.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE,
-                        help="shard model.safetensors above this size (default 5GB)")
-    parser.add_argument("--max_seq_length", type=int, default=None,
-                        help="tokens sentence-transformers reads (default: the longer of the training length and "
-                             "the base model's own max_seq_length)")
-    args = parser.parse_args(argv)
+    args = cli.parse(PROG, define_flags, sys.argv[1:] if argv is None else argv, doc=__doc__.split("\n\n")[0],
+                     required=("workdir", "out"))
     try:
         out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
                          args.max_seq_length)

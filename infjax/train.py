@@ -13,7 +13,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import signal
 import sys
 import threading
@@ -25,10 +24,9 @@ if __name__ == "__main__":   # glibc reads its tunables once, at start: restart 
     restart_with_huge_pages()
 
 import jax
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-from infjax import config as config_lib, errors
+from infjax import cli, config as config_lib, errors
 from infjax.data.batches import real_tokens
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
@@ -460,11 +458,28 @@ def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Excepti
            f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
 
 
-def main(argv) -> None:
-    del argv
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("absl").setLevel(logging.WARNING)
-    config, workdir = flags.FLAGS.config, flags.FLAGS.workdir
+PROG = "python -m infjax.train"
+
+
+def define_flags(fv: flags.FlagValues) -> None:
+    """Every flag of `python -m infjax.train`, into `fv` (`--config.a.b=value` overrides any config key)."""
+    cli.define_config(fv, "Config file, e.g. configs/multi_pi.py[:preset]; --config.KEY=VALUE overrides any key "
+                          "of it (every key and its default: infjax/config.py).")
+    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, eval.json "
+                                         "(default runs/<objective>).", flag_values=fv)
+
+
+def parse_flags(argv: list[str]) -> flags.FlagValues:
+    """The parsed flags with the config file loaded now: a bad flag, config file, preset or config key is one
+    line naming it and exit status 2 (absl alone prints tracebacks for most of them)."""
+    return cli.parse(PROG, define_flags, argv, doc=__doc__, required=("config",),
+                     after=cli.load_config, catch=cli.CONFIG_ERRORS, message=cli.config_flag_error)
+
+
+def main(argv: list[str] | None = None) -> None:
+    fv = parse_flags(sys.argv[1:] if argv is None else argv)
+    cli.setup_logging(quiet=("absl",))
+    config, workdir = fv.config, fv.workdir
     # One line and exit 2 (bad input), 3 (run stopped), 130 (Ctrl-C); tracebacks only for bugs.
     with errors.reported("infjax.train", log):
         distributed.initialize()       # multi-host start-up, before any device is touched
@@ -473,56 +488,5 @@ def main(argv) -> None:
         run(config, workdir or os.path.join("runs", config.objective))
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl flag parsing, with the config file loaded now: a bad flag, config file, preset or config key
-    is one line naming it and exit status 2 (absl alone prints tracebacks for most of them)."""
-    try:
-        rest = flags.FLAGS(argv)
-        flags.FLAGS.config.objective      # noqa: B018 - loads the config file (absl loads it lazily)
-        return rest
-    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, SyntaxError) as e:
-        print(f"infjax.train: error: {flag_error(e, argv)}", file=sys.stderr)
-        sys.exit(2)
-
-
-def flag_error(error: BaseException, argv: list[str]) -> str:
-    """The message of a flag-parsing error, naming the flag."""
-    given = [a for a in argv[1:] if a.startswith("--config=")]
-    config_arg = given[-1].split("=", 1)[1] if given else ""
-    config_file = config_arg.split(":", 1)[0]
-    if config_file and not os.path.isfile(config_file):
-        return f"--config={config_arg}: no such config file ({os.path.abspath(config_file)})"
-    chain = [error]
-    while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
-        chain.append(chain[-1].__cause__ or chain[-1].__context__)
-    for e in reversed(chain):                # infjax's own innermost error (e.g. an unknown preset) says it best
-        if isinstance(e, errors.UserError):
-            return f"--config={config_arg}: {e}"
-    text = str(error).strip("'\"").replace("\\'", "'").replace("\\n", "\n")
-    missing = re.match(r"'?([^'\n]+)'?\n?(Did you mean \"([^\"]+)\")?", text)
-    if isinstance(error, (AttributeError, KeyError)) and missing:
-        key, hint = missing.group(1), missing.group(3)
-        flag = next((a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")
-                     and key in a.split("=", 1)[0].split(".")), f"--config.{key}")
-        return f"{flag}: no such config key" + (f" (did you mean {hint!r}?)" if hint else "")
-    if isinstance(error, SyntaxError):
-        return f"--config={config_arg}: {error.msg} ({error.filename}, line {error.lineno})"
-    if isinstance(error, flags.Error):
-        first = str(error).split("\n", 1)[0].rstrip(":")
-        inner = chain[-1] if len(chain) > 1 else None
-        return first + (f": {type(inner).__name__}: {inner}" if inner is not None and str(inner) not in first
-                        else "")
-    return f"{type(error).__name__}: {error}"
-
-
-def _define_flags() -> None:
-    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi_pi.py[:preset].",
-                                    lock_config=True)
-    flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics.jsonl, eval.json "
-                                         "(default runs/<objective>).")
-    flags.mark_flags_as_required(["config"])
-
-
 if __name__ == "__main__":
-    _define_flags()
-    app.run(main, flags_parser=parse_flags)
+    main()

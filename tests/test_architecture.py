@@ -6,6 +6,7 @@ rule more: only the platform modules (`PLATFORM_MODULES`) ask which platform the
 Layers:
 
     errors                    the error types and the entry points' one-line report (imports nothing)
+    cli                       the entry points' flags: absl, one --help format, one error line
     data, models, losses      what a batch is, what the networks are, what the loss is (independent)
     runtime                   where the program runs: mesh, partitioning, multi-host start-up, storage,
                               checkpoints, restoring a run's parameters, process settings on CPU
@@ -25,7 +26,7 @@ import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "infjax")
 
-LAYERS = {"errors": -1, "data": 0, "models": 0, "losses": 0, "runtime": 0.5, "training": 1, "inference": 2,
+LAYERS = {"errors": -1, "cli": -0.5, "data": 0, "models": 0, "losses": 0, "runtime": 0.5, "training": 1, "inference": 2,
           "evaluation": 3, "config": 4, "curation": 4, "train": 5, "evaluate": 5, "export": 5, "curate": 5, "bench": 5,
           "benchmarks": 5}
 ENTRY_POINTS = {"train", "evaluate", "export", "curate", "bench", "benchmarks"}

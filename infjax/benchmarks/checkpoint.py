@@ -8,15 +8,15 @@ the steps that run while the save is still being written.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 
 import jax
+from absl import flags
 
-from infjax import config as config_lib
+from infjax import cli, config as config_lib
 from infjax.models.encoder import load_encoder
 from infjax.runtime import checkpoint, mesh as mesh_lib, platform
 
@@ -24,13 +24,15 @@ from infjax.runtime import checkpoint, mesh as mesh_lib, platform
 from infjax.training import setup as setup_lib, state as state_lib
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("steps", 40, "timed steps (after 3 warm-up steps)", flag_values=fv)
+    flags.DEFINE_integer("every", 8, "steps between saves", flag_values=fv)
+    flags.DEFINE_bool("sync", False, "synchronous saves (otherwise asynchronous)", flag_values=fv)
+    flags.DEFINE_integer("batch_size", 8, "records per global batch", flag_values=fv)
+
+
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m infjax.bench checkpoint", description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40, help="timed steps (after 3 warm-up steps)")
-    ap.add_argument("--every", type=int, default=8, help="steps between saves")
-    ap.add_argument("--sync", action="store_true", help="synchronous saves (default: asynchronous)")
-    ap.add_argument("--batch_size", type=int, default=8, help="records per global batch")
-    args = ap.parse_args(argv)
+    args = cli.parse("python -m infjax.bench checkpoint", define_flags, argv, doc=__doc__.splitlines()[0])
 
     c = config_lib.base_config("multi_pi")
     c.train.batch_size = args.batch_size

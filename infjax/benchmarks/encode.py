@@ -7,13 +7,14 @@ times ``--iters`` calls on a fixed [batch, seq_len] batch with
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import flags
 
+from infjax import cli
 from infjax.models.bert import BertConfig, BertModel
 from infjax.runtime import platform
 from infjax.models.decoder import DecoderConfig, DecoderModel
@@ -61,24 +62,23 @@ def measure(module, batch: int, seq_len: int, vocab: int, iters: int) -> tuple[f
     return warm, (time.perf_counter() - start) / iters
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("families", ",".join(FAMILIES), "comma-separated subset of " + ",".join(FAMILIES),
+                        flag_values=fv)
+    for name, default, text in (("hidden", 256, "hidden size"), ("layers", 4, "layers"), ("heads", 4, "heads"),
+                                ("vocab", 1024, "vocabulary size"), ("batch", 16, "texts per call"),
+                                ("seq_len", 128, "tokens per text"), ("iters", 10, "timed calls")):
+        flags.DEFINE_integer(name, default, text, flag_values=fv)
+    flags.DEFINE_enum("dtype", "float32", sorted(_DTYPES), "compute dtype", flag_values=fv)
+    flags.DEFINE_bool("scan", False, "scan over layers (not bert)", flag_values=fv)
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infjax.bench encode", description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default=",".join(FAMILIES),
-                        help="comma-separated subset of " + ",".join(FAMILIES))
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--scan", action="store_true", help="scan over layers (not bert)")
-    args = parser.parse_args(argv)
+    args = cli.parse("python -m infjax.bench encode", define_flags, argv, doc=__doc__.splitlines()[0])
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
     if unknown:
-        parser.error(f"unknown families {unknown}; choose from {list(FAMILIES)}")
+        cli.fail("python -m infjax.bench encode", f"--families: unknown {unknown}; choose from {list(FAMILIES)}")
     print(f"device {platform.describe()}  batch {args.batch} x {args.seq_len} tokens  hidden "
           f"{args.hidden}  layers {args.layers}  heads {args.heads}  dtype {args.dtype}  iters {args.iters}")
     tokens = args.batch * args.seq_len

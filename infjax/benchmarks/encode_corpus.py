@@ -13,14 +13,15 @@ its threads (`torch.get_num_threads()`); infjax on the default JAX devices.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import numpy as np
 import torch
 from sentence_transformers import SentenceTransformer
+from absl import flags
 
+from infjax import cli
 from infjax.config import base_config
 from infjax.data import synthetic
 from infjax.data.tokenize import Tokenizer
@@ -40,14 +41,17 @@ def synthetic_passages(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_integer("n", 2000, "passages to encode", flag_values=fv)
+    flags.DEFINE_integer("batch_size", 32, "texts per batch on both sides (sentence-transformers' default); infjax "
+                         "packs its calls by tokens (inference.embedders.tokens_per_call)", flag_values=fv)
+    flags.DEFINE_integer("max_len", 128, "tokens per passage (truncation)", flag_values=fv)
+    flags.DEFINE_integer("repeats", 3, "timed passes per side (the median is reported)", flag_values=fv)
+    flags.DEFINE_bool("padded", False, "also time infjax's padded length-bucket path", flag_values=fv)
+
+
 def main(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="python -m infjax.bench encode-corpus", description=__doc__.split("\n\n")[0])
-    p.add_argument("--n", type=int, default=2000, help="passages to encode")
-    p.add_argument("--batch_size", type=int, default=32, help="texts per batch on both sides (sentence-transformers' default); infjax packs its calls by tokens (inference.embedders.tokens_per_call)")
-    p.add_argument("--max_len", type=int, default=128, help="tokens per passage (truncation)")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per side (the median is reported)")
-    p.add_argument("--padded", action="store_true", help="also time infjax's padded length-bucket path")
-    args = p.parse_args(argv)
+    args = cli.parse("python -m infjax.bench encode-corpus", define_flags, argv, doc=__doc__.split("\n\n")[0])
 
     texts = synthetic_passages(args.n)
     encoder, params, path = load_encoder(base_config("multi_pi").model)

@@ -13,7 +13,6 @@ float32 parameter bytes + 1 GiB.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -23,8 +22,9 @@ import time
 
 import jax
 import numpy as np
+from absl import flags
 
-from infjax import config as config_lib
+from infjax import cli, config as config_lib
 from infjax.models.hf import files as hf_files
 from infjax.models import decoder
 from infjax.models.decoder import DecoderConfig, DecoderModel
@@ -36,18 +36,19 @@ from infjax.training import state as state_lib
 GIB = 2**30
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    for name, default, text in (("hidden", 1024, "hidden size"), ("layers", 24, "layers"),
+                                ("intermediate", 2816, "MLP size"), ("heads", 16, "query heads"),
+                                ("kv_heads", 4, "key/value heads"), ("vocab", 32000, "vocabulary size")):
+        flags.DEFINE_integer(name, default, f"the random Qwen2 base: {text}", flag_values=fv)
+    flags.DEFINE_string("dir", None, "where the base folder, run and exports go (default: a temp dir)",
+                        flag_values=fv)
+    flags.DEFINE_multi_string("tree", [], "also run the children from this source checkout (PYTHONPATH), e.g. an "
+                              "older commit", flag_values=fv)
+
+
 def _flags(argv):
-    p = argparse.ArgumentParser(prog="python -m infjax.bench export")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--intermediate", type=int, default=2816)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv_heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dir", default=None, help="where the base folder, run and exports go (default: a temp dir)")
-    p.add_argument("--tree", action="append", default=[],
-                   help="also run the children from this source checkout (PYTHONPATH), e.g. an older commit")
-    return p.parse_args(argv)
+    return cli.parse("python -m infjax.bench export", define_flags, argv, doc=__doc__.split("\n\n")[0])
 
 
 def build_base(folder: str, a) -> int:

@@ -8,12 +8,13 @@ first; the figure is new tokens per second of wall time over the timed calls.
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
+from infjax import cli
 from infjax.curation import local
 from infjax.models import generation
 from infjax.runtime import platform
@@ -49,16 +50,17 @@ def timed(config, params, head, batches, new_tokens, pad_id) -> float:
     return time.perf_counter() - start
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("model", local.SMOLLM2, "a Llama/Qwen2 HF folder or 'smollm2'", flag_values=fv)
+    flags.DEFINE_string("local_cache", local.DEFAULT_CACHE, "where the converted SmolLM2 folder is kept",
+                        flag_values=fv)
+    flags.DEFINE_integer("prompts", 8, "prompts generated", flag_values=fv, lower_bound=1)
+    flags.DEFINE_integer("batch", 8, "prompts generated together", flag_values=fv, lower_bound=1)
+    flags.DEFINE_integer("new_tokens", 64, "tokens generated per prompt", flag_values=fv, lower_bound=1)
+
+
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m infjax.bench generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=local.SMOLLM2, help="a Llama/Qwen2 HF folder or 'smollm2'")
-    parser.add_argument("--local_cache", default=local.DEFAULT_CACHE)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--new_tokens", type=int, default=64)
-    args = parser.parse_args(argv)
-    if args.prompts < 1 or args.batch < 1 or args.new_tokens < 1:
-        parser.error("--prompts, --batch and --new_tokens must be >= 1")
+    args = cli.parse("python -m infjax.bench generate", define_flags, argv, doc=__doc__.splitlines()[0])
     from transformers import AutoTokenizer
 
     path = local.resolve_local_model(args.model, args.local_cache)

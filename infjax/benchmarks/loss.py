@@ -8,13 +8,15 @@ reported peak resident memory belongs to that size alone. XLA's own figure
 """
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import statistics
 import subprocess
 import sys
 import time
+from absl import flags
+
+from infjax import cli
 
 
 def measure(rows: int, dim: int, k: int, objective: str, reps: int) -> dict:
@@ -52,15 +54,18 @@ def measure(rows: int, dim: int, k: int, objective: str, reps: int) -> dict:
             "device": platform.name()}
 
 
+def define_flags(fv: flags.FlagValues) -> None:
+    flags.DEFINE_string("rows", "96,768,3072,12288", "comma-separated R (rows of the global batch)", flag_values=fv)
+    flags.DEFINE_string("dims", "384,1536", "comma-separated embedding sizes d", flag_values=fv)
+    flags.DEFINE_integer("k", 5, "instruction negatives per row", flag_values=fv)
+    flags.DEFINE_string("objective", "multi_piiq", "objective name (the default uses all three sets)", flag_values=fv)
+    flags.DEFINE_integer("reps", 3, "timed repetitions (median reported)", flag_values=fv)
+    flags.DEFINE_bool("one", False, "measure the first size in this process (how the table's children run)",
+                      flag_values=fv)
+
+
 def main(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="python -m infjax.bench loss", description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", default="96,768,3072,12288", help="comma-separated R (rows of the global batch)")
-    ap.add_argument("--dims", default="384,1536", help="comma-separated embedding sizes d")
-    ap.add_argument("--k", type=int, default=5, help="instruction negatives per row")
-    ap.add_argument("--objective", default="multi_piiq", help="objective name (default: all three sets)")
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median reported)")
-    ap.add_argument("--one", action="store_true", help=argparse.SUPPRESS)   # internal: measure one size
-    args = ap.parse_args(argv)
+    args = cli.parse("python -m infjax.bench loss", define_flags, argv, doc=__doc__.splitlines()[0])
     rows = [int(x) for x in args.rows.split(",")]
     dims = [int(x) for x in args.dims.split(",")]
     if args.one:

@@ -32,9 +32,8 @@ import jax
 import ml_collections
 import numpy as np
 from absl import flags
-from ml_collections import config_flags
 
-from infjax import config as config_lib
+from infjax import cli, config as config_lib
 from infjax.benchmarks import torch_loop
 from infjax.data import synthetic
 from infjax.data.batches import real_tokens
@@ -58,10 +57,9 @@ def peak_flops(device, override: float = 0.0) -> float | None:
     return None
 
 
-def _flags(argv):
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/multi_pi.py[:preset].",
-                                    flag_values=fv, lock_config=False)
+def define_flags(fv: flags.FlagValues) -> None:
+    cli.define_config(fv, "Config file, e.g. configs/multi_pi.py[:preset]; --config.KEY=VALUE overrides a key.",
+                      lock_config=False)
     flags.DEFINE_integer("steps", 10, "timed steps", flag_values=fv)
     flags.DEFINE_integer("warmup", 2, "untimed steps after compilation", flag_values=fv)
     flags.DEFINE_float("peak_flops", 0.0, "peak FLOP/s per device (default: from the device table)",
@@ -75,10 +73,12 @@ def _flags(argv):
     flags.DEFINE_bool("vs_torch", False, "also time a plain PyTorch loop on the same rows (MiniLM)", flag_values=fv)
     flags.DEFINE_bool("compile_only", False, "compile the step for the first batch and print its memory analysis",
                       flag_values=fv)
-    fv(["bench train"] + list(argv))
-    if fv.config is None:
-        raise SystemExit("--config is required, e.g. --config=configs/multi_pi.py")
-    return fv
+
+
+def _flags(argv):
+    return cli.parse("python -m infjax.bench train", define_flags, argv, doc=__doc__.split("\n\n")[0],
+                     required=("config",), after=cli.load_config, catch=cli.CONFIG_ERRORS,
+                     message=cli.config_flag_error)
 
 
 class Setup:

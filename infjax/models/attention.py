@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from infjax.models import kernels
 from infjax.models.kernels import cpu, gpu, reference, tpu
-from infjax.models.kernels.masks import key_ranges, segment_mask, segment_positions  # noqa: F401 (re-exported)
+from infjax.models.kernels.masks import segment_positions  # noqa: F401 (the models import it from here)
 
 IMPLS = ("auto", "explicit", "xla", "kernel", "cudnn", "pallas", "splash")
 ENV = "INFJAX_ATTENTION"     # environment override of "auto"

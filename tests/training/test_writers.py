@@ -215,7 +215,7 @@ def test_no_bar_on_a_stream_that_is_not_a_terminal(capsys):
     assert "\r" not in capsys.readouterr().err
 
 
-LOG_RECORD = re.compile(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ ")                 # absl's record prefix
+LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ infjax\S* (INFO|WARNING|ERROR) ")   # cli.LOG_FORMAT
 BAR = re.compile(r"train:\s+\d+%|\d+/12 \[")
 
 

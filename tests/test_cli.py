@@ -1,0 +1,125 @@
+"""Every entry point speaks absl flags through infjax.cli: `--help` lists every flag with its default, a bad flag
+is one line and exit 2, and every command line written in the README and docs/ still parses."""
+import importlib
+import os
+import re
+import shlex
+
+import pytest
+from absl import flags
+
+from infjax import cli
+from tests.helpers.paths import ROOT
+
+# entry point -> (module, prog, required flags); bench NAME is benchmarks/<name>.py
+ENTRY_POINTS = {
+    "train": ("infjax.train", ("config",)),
+    "evaluate": ("infjax.evaluate", ("model", "dataset")),
+    "export": ("infjax.export", ("workdir", "out")),
+    "curate": ("infjax.curate", ("input", "out")),
+    **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}", ("config",) if n == "train" else ())
+       for n in ("accelerator", "checkpoint", "encode", "encode-corpus", "export", "generate", "loss", "train")},
+}
+
+
+def _define(name):
+    return importlib.import_module(ENTRY_POINTS[name][0]).define_flags
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_help_lists_every_flag_with_its_default(name, capsys):
+    define, required = _define(name), ENTRY_POINTS[name][1]
+    with pytest.raises(SystemExit) as e:
+        cli.parse(f"python -m infjax.{name}", define, ["--help"], required=required)
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    fv = flags.FlagValues()
+    define(fv)
+    names = [f.name for f in cli.own_flags(fv)]
+    assert names, name
+    entries = re.split(r"\n  --", out.split("\nflags:\n", 1)[1])
+    assert len(entries) == len(names)
+    for flag, entry in zip(names, entries):
+        entry = " ".join(entry.split())
+        assert re.match(rf"(\[no\])?{flag}\b", entry.lstrip("- ")), (flag, entry)
+        assert "default" in entry, (name, flag, entry)                  # stated, or "(default: ...)"
+        if flag in required:
+            assert entry.endswith("(default: required)"), entry
+
+
+def _define_demo(fv):
+    flags.DEFINE_integer("step", None, "a step", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace", flag_values=fv)
+    flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype", flag_values=fv)
+    flags.DEFINE_multi_string("tree", [], "trees", flag_values=fv)
+    flags.DEFINE_string("out", None, "where", flag_values=fv)
+
+
+def test_both_spellings_of_a_value_and_of_a_boolean():
+    fv = cli.parse("p", _define_demo, ["--step", "300", "--overwrite", "--tree", "a", "--tree=b", "--out=x y"],
+                   required=("out",))
+    assert (fv.step, fv.overwrite, fv.tree, fv.out, fv.dtype) == (300, True, ["a", "b"], "x y", "float32")
+    fv = cli.parse("p", _define_demo, ["--step=7", "--nooverwrite", "--dtype", "bfloat16", "--out", "o"])
+    assert (fv.step, fv.overwrite, fv.dtype) == (7, False, "bfloat16")
+    assert cli.parse("p", _define_demo, ["--overwrite=false"]).overwrite is False
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out=o", "--bogus=1"], "Unknown command line flag 'bogus'"),
+    (["--out=o", "--step=a"], "flag --step=a: invalid literal for int()"),
+    (["--out=o", "--dtype=f16"], "flag --dtype=f16: value should be one of <float32|bfloat16>"),
+    ([], "--out is required"),
+    (["--out=o", "extra"], "unexpected argument(s) ['extra']"),
+])
+def test_a_bad_flag_is_one_line_and_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse("prog", _define_demo, argv, required=("out",))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("prog: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def documented_commands() -> list[tuple[str, str, list[str]]]:
+    """(file:line, entry point, flags) of every `python -m infjax.X ...` line in the README and docs/,
+    continuation lines joined and `[...]` optional parts taken as given."""
+    files = [os.path.join(ROOT, "README.md")] + sorted(
+        os.path.join(ROOT, "docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+    found = []
+    for path in files:
+        lines = open(path, encoding="utf-8").read().splitlines()
+        for i, line in enumerate(lines):
+            m = re.search(r"python -m infjax\.(train|evaluate|export|curate|bench)\b(.*)", line)
+            if not m:
+                continue
+            text, j = m.group(2), i
+            while text.rstrip().endswith("\\") and j + 1 < len(lines):
+                j += 1
+                text = text.rstrip()[:-1] + " " + lines[j].strip()
+            text = re.split(r"`|\s#\s|\s{2,}#|\|", text)[0].replace("[", "").replace("]", "")
+            try:
+                words = shlex.split(text)
+            except ValueError:
+                continue
+            name = m.group(1)
+            if name == "bench":
+                if not words or words[0].startswith("-") or words[0] == "NAME":
+                    continue
+                name, words = f"bench {words[0]}", words[1:]
+            found.append((f"{os.path.relpath(path, ROOT)}:{i + 1}", name, words))
+    return found
+
+
+PLACEHOLDER = re.compile(r"^(N|S|K|NAME|FILE\.json|\.\.\.|<.*>|.*=S|.*=N|.*=\.\.\.|.*<.*>.*)$")
+
+
+def test_every_documented_command_line_parses():
+    commands = documented_commands()
+    assert len(commands) >= 20 and {n for _, n, _ in commands} >= {"train", "evaluate", "export", "curate"}
+    for where, name, words in commands:
+        if any(PLACEHOLDER.match(w) for w in words):
+            words = [w for k, w in enumerate(words) if not PLACEHOLDER.match(w)
+                     and not (k + 1 < len(words) and PLACEHOLDER.match(words[k + 1]) and "=" not in w)]
+        try:
+            cli.parse(f"infjax.{name}", _define(name), words)         # flags only: nothing is loaded or run
+        except SystemExit as e:
+            pytest.fail(f"{where}: `{name} {' '.join(words)}` no longer parses (exit {e.code})")
