@@ -14,6 +14,7 @@ from infjax.data.tokenize import validate_template
 from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
+from infjax.models import attention
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.registry import FAMILIES
 from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
@@ -100,6 +101,9 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.data.field_map = "auto"          # auto | default | legacy (P+ named `document`)
     c.data.on_bad_row = "error"        # error | skip (skipped rows are counted and reported)
     c.data.limit = 0                   # use only the first N rows per split (0 = all)
+    c.data.dedupe = True               # drop records identical to an earlier one in every field (a warning
+                                       # counts them); False keeps them, and a batch may then hold a record
+                                       # twice, an in-batch false negative under every objective
     c.data.hard_negatives = True       # 3 rows per record (I-,Q+,P1-) and (I+,Q-,P2-); else 1
     c.data.query_template = "{query} {instruction}"   # instruction-aware query text
     c.data.query_prefix = ""           # e.g. "query: " for e5
@@ -248,6 +252,7 @@ def validate(c: ml_collections.ConfigDict, num_devices: int | None = None, num_p
     _validate_data(c)
     _validate_training(c)
     _validate_mesh(c, num_devices, num_processes)
+    attention.requested()      # the $INFJAX_ATTENTION switch, refused now rather than inside the first step
 
 
 def _validate_objective_and_model(c) -> None:
@@ -278,6 +283,7 @@ def _validate_data(c) -> None:
     _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
            "must be auto, default or legacy")
     _check(c.data.on_bad_row in ("error", "skip"), "data.on_bad_row", c.data.on_bad_row, "must be error or skip")
+    _check(isinstance(c.data.dedupe, bool), "data.dedupe", c.data.dedupe, "must be True or False")
     _check(c.data.limit >= 0, "data.limit", c.data.limit, "must be >= 0")
     _check(isinstance(c.data.source, str) and c.data.source.strip() != "", "data.source", c.data.source,
            "must be 'synthetic', a hub id, or local parquet/jsonl/json path(s)")

@@ -36,6 +36,7 @@ results are gathered on every process, and only process 0 prints and writes
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -56,6 +57,7 @@ from infjax.evaluation.trec import write_outputs
 from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
+from infjax.models import attention
 from infjax.runtime import distributed, storage
 
 log = logging.getLogger("infjax.evaluate")
@@ -98,6 +100,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     b("bright_long_documents", False, "BRIGHT: long_documents and gold_ids_long")
     b("lenient_qrels", False, "drop judgments of documents not in the corpus")
     b("no_progress", False, "no progress bars")
+    b("overwrite", False, "replace what --out holds (an earlier evaluation of the same --model and --dataset is "
+      "replaced without it)")
 
 
 def parse_flags(argv: list[str]) -> flags.FlagValues:
@@ -113,15 +117,34 @@ def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[
     """
     if cache is None:
         return model.pair_encoder(), model.embed_passage
-    key = model.cache_key or model.name
+    key = model.key()
     ep = cache.wrap(model.embed_passage, key, model.step, dataset, "passage")
     if model.embed_pairs is None:
         return template_pairs(cache.wrap(model.embed_query, key, model.step, dataset, "query"), model.fmt), ep
     return cache.wrap_pairs(model.embed_pairs, key, model.step, dataset), ep
 
 
+def check_out(out: str, args) -> bool:
+    """Whether `out` holds files to replace: an earlier evaluation of the same --model and --dataset, or
+    anything with --overwrite. Any other non-empty folder is refused before the work starts."""
+    if not storage.exists(out) or not storage.listdir(out):
+        return False
+    try:
+        meta = json.loads(storage.read_text(storage.join(out, "meta.json")))
+        earlier = (meta.get("model"), meta.get("dataset"))
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if earlier == (args.model, args.dataset) or args.overwrite:
+        return True
+    held = (f"an evaluation of --model={earlier[0]} on --dataset={earlier[1]}" if earlier else
+            f"other files ({sorted(storage.listdir(out))[:5]})")
+    raise DataError(f"--out={args.out} already holds {held}; choose another folder, or pass --overwrite to replace "
+                    f"its content")
+
+
 def run_evaluation(args: flags.FlagValues) -> dict:
     """Load the model and dataset of `args`, evaluate, print, write; returns {"summary", "meta", "results"}."""
+    attention.requested()      # the $INFJAX_ATTENTION switch, refused before anything is read
     if args.top_k < 10:
         raise DataError(f"--top_k={args.top_k}: must be >= 10 (nDCG@10)")
     if args.block_size < 1:
@@ -131,6 +154,7 @@ def run_evaluation(args: flags.FlagValues) -> dict:
         (os.path.expanduser(args.out) if args.out else None)
     if out and storage.exists(out) and not storage.isdir(out):
         raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
+    replace = out is not None and check_out(out, args)
 
     def load_data(synthetic_defaults=None):
         return datasets.load(args.dataset, split=args.split, instruction=args.instruction,
@@ -170,6 +194,8 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     for k, v in summary.items():
         print(f"{k:>12s}  {v:.4f}{'   (main)' if k == results[0]['main_metric'] else ''}")
     if args.out:
+        if replace:                     # the earlier evaluation goes only now that this one is complete
+            storage.rmtree(out)
         write_outputs(out, summary, meta, results)
         print(f"wrote {args.out}/summary.json")
     return {"summary": summary, "meta": meta, "results": results}

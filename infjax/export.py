@@ -354,6 +354,10 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
     head = params.get("interaction")
     _check_max_seq_length(max_seq_length)
+    table = hf_config.get("max_position_embeddings")
+    if max_seq_length and isinstance(table, int) and max_seq_length > table:
+        raise ExportError(f"--max_seq_length={max_seq_length} exceeds the model's position table "
+                          f"(max_position_embeddings={table} in {base_path}/config.json); give at most {table}")
     length = (lambda trained: max_seq_length if max_seq_length else   # noqa: E731
               inference_length(trained, base_path, hf_config))
     if "shared" in params:

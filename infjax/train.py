@@ -225,7 +225,10 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
 def run(config, workdir: str) -> TrainResult:
     """Train per `config` in `workdir`: evaluate, train (logging, evaluating, checkpointing), evaluate.
 
-    The workdir is locked for the run (one run per workdir; process 0 holds the lock)."""
+    The workdir is locked for the run (one run per workdir; process 0 holds the lock). Every path of the run
+    derives from one root: `workdir` made absolute with `~` expanded (`--workdir=~/x` reaches the shell
+    unexpanded), or the URL of an object store."""
+    workdir = storage.absolute(workdir)
     config_lib.validate(config, jax.device_count(), jax.process_count())
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())

@@ -1,6 +1,7 @@
 """python -m infjax.evaluate: loaders (hub layouts as local fixtures), exact search, metrics, CLI, cache."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -389,3 +390,121 @@ def test_mteb_adapter_formats_queries_and_passages():
     adapter.encode([{"title": "T", "text": "body"}], prompt_type="passage")
     assert seen["p"] == ["passage: T body"]
     assert adapter.encode_queries(["a", "b"]).shape == (2, 64)
+
+
+@needs_minilm
+@pytest.mark.parametrize("flag", ["--passage_max_len=2048", "--query_max_len=513"])
+def test_a_length_past_the_position_table_is_refused(flag, tmp_path, capsys):
+    from infjax.config import EMBEDDED
+
+    assert evaluate.main([f"--model={EMBEDDED}", "--dataset=synthetic", flag, f"--out={tmp_path / 'o'}",
+                          "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} exceeds the model's position table (max_position_embeddings=512" in err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("side", ["passages", "queries"])
+def test_a_non_finite_embedding_never_reaches_a_metric(tmp_path, side):
+    task = eval_data.load(f"beir:{write_beir(str(tmp_path / 'toy'))}")[0]
+
+    def poisoned(embed):
+        def f(*texts):
+            out = np.array(embed(*texts), np.float32)
+            out[-1, 0] = np.nan
+            return out
+        return f
+
+    pairs = eval_tasks.template_pairs(fake_embed, TextFormat())
+    embed_pairs, embed_passage = (pairs, poisoned(fake_embed)) if side == "passages" else (poisoned(pairs),
+                                                                                          fake_embed)
+    with pytest.raises(eval_tasks.NonFiniteEmbeddings, match=rf"{side}: 1 of \d+ embeddings are not finite"):
+        eval_tasks.evaluate_task(task, embed_pairs, embed_passage, TextFormat(), top_k=10)
+
+
+def _append(path, text):
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _lines(path):
+    return open(path, encoding="utf-8").read().splitlines()
+
+
+@pytest.mark.parametrize("case", ["duplicate query", "duplicate document", "grade 0.5", "grade 1.9", "grade inf",
+                                  "grade nan", "judged twice, other grade"])
+def test_beir_files_that_contradict_themselves_are_refused_naming_file_line_and_id(tmp_path, case):
+    folder = write_beir(str(tmp_path / "toy"))
+    corpus, queries = os.path.join(folder, "corpus.jsonl"), os.path.join(folder, "queries.jsonl")
+    qrels = os.path.join(folder, "qrels", "test.tsv")
+    qid, did, grade = _lines(qrels)[1].split("\t")
+    if case == "duplicate query":
+        _append(queries, json.dumps({"_id": qid, "text": "another text"}) + "\n")
+        where, expected = queries, f"query id {qid!r} appears again (first at line "
+    elif case == "duplicate document":
+        _append(corpus, json.dumps({"_id": did, "text": "another text"}) + "\n")
+        where, expected = corpus, f"document id {did!r} appears again (first at line "
+    elif case.startswith("grade"):
+        _append(qrels, f"{qid}\t{did}\t{case.split()[1]}\n")
+        where, expected = qrels, f"field 'score' must be an integer relevance grade, got '{case.split()[1]}'"
+    else:
+        _append(qrels, f"{qid}\t{did}\t{int(grade) + 1}\n")
+        where, expected = qrels, f"query {qid!r} judges document {did!r} again with grade {int(grade) + 1}"
+    line = len(_lines(where))
+    with pytest.raises(DataError, match=re.escape(f"{where}:{line}: {expected}")):
+        eval_data.load(f"beir:{folder}")
+
+
+def test_a_judgment_repeated_with_the_same_grade_counts_once(tmp_path, caplog):
+    folder = write_beir(str(tmp_path / "toy"))
+    qrels = os.path.join(folder, "qrels", "test.tsv")
+    before = eval_data.load(f"beir:{folder}")[0].qrels
+    first = _lines(qrels)[1]
+    _append(qrels, f"{first}\n{first}.0\n")                      # the same grade, written 2 and 2.0
+    assert eval_data.load(f"beir:{folder}")[0].qrels == before
+    assert "2 judgments repeat an earlier one with the same grade" in caplog.text
+
+
+@needs_minilm
+def test_out_holding_another_evaluation_is_refused_unless_overwrite(tmp_path, capsys):
+    from infjax.config import EMBEDDED
+
+    a, b = write_beir(str(tmp_path / "a")), write_beir(str(tmp_path / "b"))
+    out = tmp_path / "out"
+    common = [f"--model={EMBEDDED}", f"--out={out}", "--no_progress", "--query_max_len=32", "--passage_max_len=32"]
+    assert evaluate.main([*common, f"--dataset=beir:{a}"]) == 0
+    assert evaluate.main([*common, f"--dataset=beir:{a}"]) == 0               # the same evaluation again: replaced
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert evaluate.main([*common, f"--dataset=beir:{b}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--out={out} already holds an evaluation of --model={EMBEDDED} on --dataset=beir:{a}" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before           # nothing touched
+    (out / "stale.txt").write_text("x")
+    assert evaluate.main([*common, f"--dataset=beir:{b}", "--overwrite"]) == 0
+    assert json.loads((out / "meta.json").read_text())["dataset"] == f"beir:{b}" and not (out / "stale.txt").exists()
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert evaluate.main([*common[:1], f"--out={other}", *common[2:], f"--dataset=beir:{a}"]) == 2
+    assert "already holds other files (['notes.txt'])" in capsys.readouterr().err
+
+
+def test_a_runs_cache_key_is_its_weights_not_its_path():
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from infjax.inference.sources import EmbeddingModel, params_digest
+    from infjax.runtime.mesh import default_mesh
+
+    params = {"layer": {"kernel": np.arange(64, dtype=np.float32).reshape(8, 8), "bias": np.zeros(8, np.float32)}}
+    digest = params_digest(params)
+    changed = {"layer": {**params["layer"], "bias": params["layer"]["bias"] + np.float32(1e-7)}}
+    assert params_digest(changed) != digest
+    mesh = default_mesh()
+    sharded = jax.device_put(params, NamedSharding(mesh, P(mesh.axis_names[0])))      # rows over the devices
+    assert params_digest(sharded) == digest
+    calls = []
+    model = EmbeddingModel("runs/x", "run", 3, TextFormat(), 8, 8, None, None,
+                           cache_key=lambda: calls.append(1) or f"run:runs/x|weights={digest}")
+    assert model.key() == model.key() == f"run:runs/x|weights={digest}" and calls == [1]     # computed once

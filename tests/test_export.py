@@ -307,3 +307,12 @@ def test_interaction_head_is_exported_and_reproduces_iq_in_pytorch(tmp_path):
             iq = torch.softmax(logits, -1) @ (h @ head["w_q2"])
             iq = (iq / iq.norm()).numpy()
         assert float(iq @ w) >= 0.9999
+
+
+def test_max_seq_length_past_the_position_table_is_refused(shared_run, tmp_path, capsys):
+    out = str(tmp_path / "long")
+    assert export.main(["--workdir", shared_run, "--out", out, "--max_seq_length", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "--max_seq_length=4096 exceeds the model's position table (max_position_embeddings=512" in err
+    assert len(err.strip().splitlines()) == 1 and not os.path.exists(out)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".long")]        # no temporary left either

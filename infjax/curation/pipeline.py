@@ -27,7 +27,7 @@ from infjax.curation import prompts
 from infjax.curation import stages as stages_lib
 from infjax.curation.sources import Collection
 from infjax.data.inf_ir import FIELDS
-from infjax.errors import UserError
+from infjax.errors import RunStopped, UserError
 
 log = logging.getLogger("infjax.curation")
 
@@ -140,6 +140,7 @@ def run(ctx: stages_lib.Context, out: str, *, run_stages=stages_lib.STAGES, chun
                 store.append(stages_lib.RUNNERS[stage](ctx, todo[start:start + chunk_size]))
                 if progress:
                     progress(stage, start + len(todo[start:start + chunk_size]), len(todo))
+            _check_backend_answered(ctx, stage, [store.rows[r["id"]] for r in todo if r["id"] in store.rows])
         nxt = []
         for r in current:
             row = store.rows.get(r["id"])
@@ -156,6 +157,22 @@ def run(ctx: stages_lib.Context, out: str, *, run_stages=stages_lib.STAGES, chun
     if "verify" in run_stages:
         write_outputs(out, ctx, kept, sorted(dropped.values(), key=lambda r: order[r["id"]]), report)
     return report
+
+
+class BackendFailed(RunStopped):
+    """Every request of a stage failed at the backend: the run is a failure, not a curation that kept 0."""
+
+
+def _check_backend_answered(ctx: stages_lib.Context, stage: str, rows: list[dict]) -> None:
+    """Stop when a stage ran records and the backend failed every one of them (a closed port, HTTP 500 to
+    everything): nothing is written as final, and the stage files keep those records as to-do for a rerun."""
+    if not rows or not all(not r["ok"] and r.get("kind") == "backend" for r in rows):
+        return
+    backend = ctx.judge if stage == "verify" else ctx.generator
+    where = getattr(backend, "url", None) or backend.describe()
+    raise BackendFailed(f"curation stage {stage!r}: the backend failed every request ({len(rows)} record(s)) at "
+                        f"{where}; last error: {rows[-1].get('reason')}. No output was written; rerun when the "
+                        f"endpoint answers (finished work in OUT/stages/ is kept)")
 
 
 def _clean_all(records: list[dict], dropped: dict) -> list[dict]:

@@ -18,7 +18,8 @@ given source. Partial maps are completed from the default (identity) map, so
 Cleaning follows the InF-Embed paper (appendix B.1): every instruction and
 query is cut at its first line break and stripped; passages are only stripped.
 A row with a missing field, a non-string value, or a value that is empty after
-cleaning is a *bad row*. By default a bad row stops loading with a
+cleaning (nothing visible: only whitespace, NUL and other control characters,
+zero-width spaces or byte-order marks) is a *bad row*. By default a bad row stops loading with a
 :class:`BadRowError` naming the split, the row index and the field; with
 ``on_bad_row="skip"`` bad rows are dropped, counted and reported in a warning.
 Bad rows are never dropped silently.
@@ -33,6 +34,7 @@ import logging
 import os
 import re
 import tempfile
+import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -225,6 +227,12 @@ def clean_passage(value: str) -> str:
     return value.strip()
 
 
+def visible(text: str) -> bool:
+    """Whether `text` has a character a reader sees: not only whitespace, control characters (NUL) and
+    format characters (zero-width spaces and joiners, byte-order marks, soft hyphens)."""
+    return any(unicodedata.category(c)[0] not in "CZ" for c in text)
+
+
 def _clean_field(field: str, value: str) -> str:
     """Apply the cleaning rule of ``field`` to ``value``."""
     return clean_text(value) if field in TEXT_FIELDS else clean_passage(value)
@@ -275,6 +283,9 @@ def clean_record(
         cleaned = _clean_field(field, value)
         if not cleaned:
             raise BadRowError(split, row, field, "empty after cleaning", column)
+        if not visible(cleaned):
+            raise BadRowError(split, row, field, "empty after cleaning (only invisible characters: zero-width "
+                              "spaces, byte-order marks, control characters)", column)
         record[field] = cleaned
     return record
 
@@ -357,29 +368,43 @@ def _builder_for(path: str) -> str:
 def _files_in_folder(folder: str, split: str) -> list[str]:
     """Data files for ``split`` in a local folder.
 
-    Prefers the hub layout ``<folder>/data/<split>-*.parquet``; otherwise takes
-    the readable files directly in ``folder`` whose name starts with ``split``.
+    Either the hub layout ``<folder>/data/<split>-*.parquet`` or the readable files directly in ``folder``
+    whose name starts with ``split``, all of one format. A folder that holds both sets, or files of several
+    formats for the split, is refused (which one was meant is the user's to say). The log names every file
+    read and every file of the folder left unread.
     """
     hub_layout = sorted(glob.glob(os.path.join(glob.escape(folder), "data", f"{glob.escape(split)}-*.parquet")))
-    if hub_layout:
-        return hub_layout
     entries = sorted(os.listdir(folder))
-    matches = [
-        os.path.join(folder, name)
-        for name in entries
-        if name.startswith(split)
-        and os.path.isfile(os.path.join(folder, name))
-        and os.path.splitext(name)[1].lower() in _BUILDER_BY_EXTENSION
-    ]
-    if matches:
-        return matches
-    data_dir = os.path.join(folder, "data")
-    found = entries + ([f"data/{n}" for n in sorted(os.listdir(data_dir))] if os.path.isdir(data_dir) else [])
-    raise FileNotFoundError(
-        f"no data files for InF-IR split {split!r} in folder {folder!r}: looked for "
-        f"data/{split}-*.parquet and for {sorted(_BUILDER_BY_EXTENSION)} files whose name starts "
-        f"with {split!r}; found {found}"
-    )
+    beside = [os.path.join(folder, name) for name in entries
+              if name.startswith(split) and os.path.isfile(os.path.join(folder, name))
+              and os.path.splitext(name)[1].lower() in _BUILDER_BY_EXTENSION]
+    if hub_layout and beside:
+        raise DataFileError(
+            f"{folder}: holds InF-IR split {split!r} twice: in the hub layout ({len(hub_layout)} file(s) "
+            f"data/{split}-*.parquet) and as {[os.path.basename(p) for p in beside]} beside it; move one set "
+            f"away, or give the file to read as config.data.source")
+    matches = hub_layout or beside
+    if not matches:
+        data_dir = os.path.join(folder, "data")
+        found = entries + ([f"data/{n}" for n in sorted(os.listdir(data_dir))] if os.path.isdir(data_dir) else [])
+        raise FileNotFoundError(
+            f"no data files for InF-IR split {split!r} in folder {folder!r}: looked for "
+            f"data/{split}-*.parquet and for {sorted(_BUILDER_BY_EXTENSION)} files whose name starts "
+            f"with {split!r}; found {found}"
+        )
+    formats = sorted({_builder_for(p) for p in matches})
+    if len(formats) > 1:
+        raise DataFileError(
+            f"{folder}: the files of InF-IR split {split!r} disagree in format ({formats}: "
+            f"{[os.path.basename(p) for p in matches]}); keep one format, or give the file to read as "
+            f"config.data.source")
+    read = {os.path.abspath(p) for p in matches}
+    unread = [os.path.relpath(p, folder) for p in sorted(glob.glob(os.path.join(glob.escape(folder), "*"))
+                                                         + glob.glob(os.path.join(glob.escape(folder), "data", "*")))
+              if os.path.isfile(p) and os.path.abspath(p) not in read]
+    logger.info("InF-IR split %r from %s: reading %s%s", split, folder, [os.path.relpath(p, folder) for p in matches],
+                f"; not read: {unread}" if unread else "")
+    return matches
 
 
 def _looks_like_path(source: str) -> bool:

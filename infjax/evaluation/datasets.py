@@ -43,6 +43,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from typing import Iterable
 
@@ -192,16 +193,30 @@ def _doc_text(row: dict, text_field: str, path: str, line: int) -> str:
 
 
 def _grade(value, path: str, line: int, field: str) -> int:
+    """A relevance grade: an integer (written 2, "2" or 2.0); anything else is refused, never truncated."""
     try:
-        return int(float(value))
+        number = float(value)
     except (TypeError, ValueError):
-        raise DataError(f"{path}:{line}: field {field!r} must be a number, got {value!r}") from None
+        raise DataError(f"{path}:{line}: field {field!r} must be an integer relevance grade, got {value!r}") from None
+    if not math.isfinite(number) or number != int(number):
+        raise DataError(f"{path}:{line}: field {field!r} must be an integer relevance grade, got {value!r}")
+    return int(number)
+
+
+def _first_time(seen: dict[str, int], key: str, path: str, line: int, what: str) -> None:
+    """Refuse an id that a file gives twice (the later text would silently replace the first)."""
+    if key in seen:
+        raise DataError(f"{path}:{line}: {what} id {key!r} appears again (first at line {seen[key]}); ids must be "
+                        f"unique")
+    seen[key] = line
 
 
 def read_corpus(path: str, id_field: str = "_id", text_field: str = "text") -> dict[str, str]:
-    corpus = {}
+    corpus, seen = {}, {}
     for line, row in read_rows(_require_file(path, "corpus")):
-        corpus[str(_field(row, id_field, path, line, (str, int)))] = _doc_text(row, text_field, path, line)
+        did = str(_field(row, id_field, path, line, (str, int)))
+        _first_time(seen, did, path, line, "document")
+        corpus[did] = _doc_text(row, text_field, path, line)
     if not corpus:
         raise DataError(f"{path}: the corpus is empty")
     return corpus
@@ -220,7 +235,8 @@ def read_qrels(path: str) -> list[tuple[int, str, str, int]]:
 def _qrels_dict(entries, path: str, queries, corpus, lenient: bool) -> dict[str, dict[str, int]]:
     """Check every judgment's query and document ids; returns {qid: {did: grade}}."""
     qrels: dict[str, dict[str, int]] = {}
-    dropped = 0
+    lines: dict[tuple[str, str], int] = {}
+    dropped = repeated = 0
     for line, qid, did, grade in entries:
         if qid not in queries:
             raise DataError(f"{path}:{line}: query id {qid!r} is not in the queries file")
@@ -230,7 +246,18 @@ def _qrels_dict(entries, path: str, queries, corpus, lenient: bool) -> dict[str,
                 continue
             raise DataError(f"{path}:{line}: document id {did!r} (query {qid!r}) is not in the corpus; "
                             f"pass --lenient_qrels to drop judgments of unknown documents")
-        qrels.setdefault(qid, {})[did] = grade
+        judged = qrels.setdefault(qid, {})
+        if did in judged:
+            first, grade_before = lines[(qid, did)], judged[did]
+            if grade != grade_before:
+                raise DataError(f"{path}:{line}: query {qid!r} judges document {did!r} again with grade {grade} "
+                                f"(grade {grade_before} at line {first}); keep one judgment per pair")
+            repeated += 1
+            continue
+        lines[(qid, did)] = line
+        judged[did] = grade
+    if repeated:
+        log.warning("%s: %d judgments repeat an earlier one with the same grade (counted once)", path, repeated)
     if dropped:
         log.warning("%s: dropped %d judgments of documents not in the corpus (--lenient_qrels)", path, dropped)
     if not qrels:
@@ -284,9 +311,10 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
     new_path = _split_file(os.path.join(folder, "qrels_changed"), split, f"changed qrels, split {split!r}")
     pools_path = _require_file(os.path.join(folder, "top_ranked.jsonl"), "candidate pools")
     corpus = read_corpus(corpus_path)
-    queries, ins_og, ins_new = {}, {}, {}
+    queries, ins_og, ins_new, seen = {}, {}, {}, {}
     for line, row in read_rows(queries_path):
         qid = str(_field(row, "_id", queries_path, line, (str, int)))
+        _first_time(seen, qid, queries_path, line, "query")
         queries[qid] = _field(row, "text", queries_path, line)
         ins_og[qid] = _field(row, "instruction_og", queries_path, line)
         ins_new[qid] = _field(row, "instruction_changed", queries_path, line)
@@ -371,9 +399,10 @@ def load_beir(folder: str, split: str | None = None, instruction: str = "",
     qrels_path = os.path.join(qrels_dir, f"{split}.tsv")
     corpus = read_corpus(os.path.join(folder, "corpus.jsonl"))
     queries_path = _require_file(os.path.join(folder, "queries.jsonl"), "queries")
-    queries, instructions = {}, {}
+    queries, instructions, seen = {}, {}, {}
     for line, row in read_rows(queries_path):
         qid = str(_field(row, "_id", queries_path, line, (str, int)))
+        _first_time(seen, qid, queries_path, line, "query")
         queries[qid] = _field(row, "text", queries_path, line)
         instructions[qid] = row.get("instruction") or instruction
     qrels = _qrels_dict(read_qrels(qrels_path), qrels_path, queries, corpus, lenient_qrels)

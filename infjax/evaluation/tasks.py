@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 
+from infjax import errors
 from infjax.data.tokenize import TextFormat
 from infjax.data.types import FollowIRSplit
 from infjax.evaluation import datasets
@@ -22,6 +23,22 @@ from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.search import search
 
 Run = dict[str, dict[str, float]]          # {query id: {doc id: score}}
+
+
+class NonFiniteEmbeddings(errors.RunStopped):
+    """The model gave NaN or infinite embeddings: no score computed from them may reach a metric."""
+
+
+def finite(embeddings, ids: list[str], what: str):
+    """`embeddings` [N, d] unchanged when every value is finite; else NonFiniteEmbeddings naming the count and
+    the first ids (a text past the position table, broken weights, an overflow in bfloat16)."""
+    embeddings = np.asarray(embeddings)
+    bad = ~np.isfinite(embeddings).all(axis=1)
+    if bad.any():
+        first = [ids[i] for i in np.flatnonzero(bad)[:3]]
+        raise NonFiniteEmbeddings(f"{what}: {int(bad.sum())} of {len(ids)} embeddings are not finite (NaN or "
+                                  f"inf; first ids {first}); no metric is computed from them")
+    return embeddings
 
 
 def template_pairs(embed_query: EmbedFn, fmt: TextFormat) -> PairEmbedFn:
@@ -34,11 +51,12 @@ def rerank(split: FollowIRSplit, embed_pairs: PairEmbedFn, embed_passage: EmbedF
     """Each query's own candidate pool scored by cosine, under the original and the changed instruction."""
     qids = sorted(split.queries)
     doc_ids = sorted(split.corpus)
-    docs = embed_passage([fmt.passage(split.corpus[d]) for d in doc_ids])
+    docs = finite(embed_passage([fmt.passage(split.corpus[d]) for d in doc_ids]), doc_ids, "passages")
     row = {d: i for i, d in enumerate(doc_ids)}
     runs = []
     for instructions in (split.instructions_og, split.instructions_changed):
-        queries = embed_pairs([instructions[q] for q in qids], [split.queries[q] for q in qids])
+        queries = finite(embed_pairs([instructions[q] for q in qids], [split.queries[q] for q in qids]), qids,
+                         "queries")
         run = {}
         for qi, q in enumerate(qids):
             pool = split.candidates[q]
@@ -53,8 +71,9 @@ def retrieve(task: RetrievalTask, embed_pairs: PairEmbedFn, embed_passage: Embed
     """The top_k documents of the whole corpus for every judged query (exact search)."""
     doc_ids = sorted(task.corpus)
     qids = sorted(task.qrels)
-    docs = embed_passage([fmt.passage(task.corpus[d]) for d in doc_ids])
-    queries = embed_pairs([task.instructions.get(q, "") for q in qids], [task.queries[q] for q in qids])
+    docs = finite(embed_passage([fmt.passage(task.corpus[d]) for d in doc_ids]), doc_ids, "passages")
+    queries = finite(embed_pairs([task.instructions.get(q, "") for q in qids], [task.queries[q] for q in qids]),
+                     qids, "queries")
     # Ask for a few more than top_k so that dropping excluded / identical ids still leaves top_k.
     extra = max((len(v) for v in task.excluded.values()), default=0) + int(task.skip_identical_ids)
     scores, idx = search(queries, docs, top_k + extra, mesh=mesh, block_size=block_size, progress=progress)

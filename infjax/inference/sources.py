@@ -21,7 +21,9 @@ import hashlib
 import json
 import logging
 import os
+from typing import Callable
 
+import jax
 import ml_collections
 import numpy as np
 
@@ -57,9 +59,17 @@ class EmbeddingModel:
     embed_query: EmbedFn            # texts -> L2-normalized float32 [N, d]
     embed_passage: EmbedFn
     synthetic: dict | None = None   # a run's data.synthetic (defaults of the synthetic dataset)
-    cache_key: str = ""             # weights + encoding settings: the embedding cache's model key
+    # weights + encoding settings: the embedding cache's model key, or a function computing it (on first use:
+    # a run's key hashes its parameters, which costs a pass over them)
+    cache_key: str | Callable[[], str] = ""
     # (instructions, queries) -> iq embeddings, for models that do not read one text (Interaction II).
     embed_pairs: PairEmbedFn | None = None
+
+    def key(self) -> str:
+        """The embedding cache's model key (computed once)."""
+        if callable(self.cache_key):
+            self.cache_key = self.cache_key()
+        return self.cache_key or self.name
 
     def pair_encoder(self) -> PairEmbedFn:
         """(instructions, queries) -> instruction-aware query embeddings, whatever the interaction."""
@@ -90,6 +100,23 @@ def detect_type(source: str) -> str:
         if os.path.isfile(os.path.join(path, "modules.json")):
             return "sentence_transformers"
     return "hf"
+
+
+def params_digest(params) -> str:
+    """16 hex digits over every parameter's path, dtype, shape and bytes: two runs at the same path and step
+    with other weights (a run replaced by another) get other keys. Arrays split across processes are gathered
+    first, so every process computes the same digest."""
+    from jax.experimental import multihost_utils
+
+    h = hashlib.blake2b(digest_size=8)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    for path, leaf in sorted(leaves, key=lambda x: jax.tree_util.keystr(x[0])):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
+        array = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}|{array.dtype}|{array.shape}".encode())
+        h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
 
 
 def _fingerprint(folder: str) -> str:
@@ -188,6 +215,16 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
     return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress)
 
 
+def check_lengths(model_path: str, qlen: int, plen: int) -> None:
+    """Refuse a query or passage length beyond the model's position table (as training does): past it an
+    encoder computes NaN or garbage for every token from there on."""
+    table = hf_files.load_hf_config(model_path).get("max_position_embeddings")
+    for flag, value in (("--query_max_len", qlen), ("--passage_max_len", plen)):
+        if isinstance(table, int) and value > table:
+            raise ModelSourceError(f"{flag}={value} exceeds the model's position table (max_position_embeddings="
+                                   f"{table} in {model_path}/config.json); give at most {table}")
+
+
 def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> EmbeddingModel:
     workdir = storage.absolute(workdir)
     if not is_run_dir(workdir):
@@ -197,6 +234,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
     data = run.config.data
     fmt = TextFormat(data.query_template, data.query_prefix, data.passage_prefix)
     qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
+    check_lengths(run.base_path, qlen, plen)
     tokenizer = Tokenizer(run.base_path, padding_side=run.encoder.padding_side)
     eq, ep = _infjax_embedders(run.encoder, run.params, tokenizer, mesh, batch_size, qlen, plen, progress)
     interaction = run.config.model.get("interaction", "concat")
@@ -205,8 +243,9 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
         pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
         params = put(run.params, replicated(mesh))
         embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
-    key = f"run:{workdir}|pooling={run.encoder.pooling}" \
-          f"|interaction={interaction}|dtype={run.config.model.dtype}|len={qlen}/{plen}"
+    settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={run.config.model.dtype}" \
+               f"|len={qlen}/{plen}"
+    key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
                           cache_key=key, embed_pairs=embed_pairs)
 
@@ -227,6 +266,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     max_pos = hf_files.load_hf_config(path).get("max_position_embeddings") or 8192
     qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
     plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
+    check_lengths(path, qlen, plen)
     tokenizer = Tokenizer(path, padding_side=encoder.padding_side)
     eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
     key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"

@@ -46,6 +46,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from infjax.errors import ConfigError
 from infjax.models import kernels
 from infjax.models.kernels import cpu, gpu, reference, tpu
 from infjax.models.kernels.masks import segment_positions  # noqa: F401 (the models import it from here)
@@ -87,11 +88,11 @@ class Choice(NamedTuple):
 def requested(impl: str = "auto") -> str:
     """`impl` validated, with "auto" replaced by $INFJAX_ATTENTION when that is set."""
     if impl not in IMPLS:
-        raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
+        raise ConfigError(f"attention impl {impl!r} is not one of {IMPLS}")
     if impl == "auto":
         impl = os.environ.get(ENV, "auto") or "auto"
         if impl not in IMPLS:
-            raise ValueError(f"${ENV}={impl!r} is not one of {IMPLS}")
+            raise ConfigError(f"environment variable {ENV}={impl!r}: choose one of {IMPLS} (or unset it)")
     return impl
 
 

@@ -44,7 +44,32 @@ def load_training_records(data_config) -> list[dict]:
                                    on_bad_row=data_config.on_bad_row, limit=data_config.limit or None)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"config.data.source={data_config.source!r}: {e}") from e
-    return records
+    return drop_duplicates(records, data_config.get("dedupe", True))
+
+
+def drop_duplicates(records: list[dict], dedupe: bool = True) -> list[dict]:
+    """`records` without those identical to an earlier one in every field (dedupe), or all of them (not);
+    either way a warning counts the duplicates and names the first few (0-based record indices, in load
+    order: the splits of data.splits one after another)."""
+    first: dict[str, int] = {}
+    repeats: list[tuple[int, int]] = []
+    kept = []
+    for i, record in enumerate(records):
+        key = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        if key in first:
+            repeats.append((i, first[key]))
+            if dedupe:
+                continue
+        else:
+            first[key] = i
+        kept.append(record)
+    if repeats:
+        shown = ", ".join(f"record {i} repeats record {j}" for i, j in repeats[:3])
+        more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
+        what = ("dropped (data.dedupe=True)" if dedupe else
+                "kept (data.dedupe=False): a batch may hold one twice, an in-batch false negative")
+        log.warning("training data: %d duplicate record(s) %s: %s%s", len(repeats), what, shown, more)
+    return kept
 
 
 def data_fingerprint(records: list[dict]) -> dict:

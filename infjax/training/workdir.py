@@ -136,14 +136,14 @@ class MetricsLog:
             storage.rename(self.path, aside)
             log.warning("%s belonged to an earlier run without checkpoints; kept as %s", self.path, aside)
             return
-        kept, dropped = [], 0
-        for line in storage.read_text(self.path).splitlines(keepends=True):
+        kept, dropped, damaged = [], 0, []
+        for number, line in enumerate(storage.read_text(self.path).splitlines(keepends=True), 1):
             if not line.strip():
                 continue
             try:
                 record_step = json.loads(line).get("step", 0)
-            except ValueError:          # a line cut off by a kill: it belongs to no completed step
-                dropped += 1
+            except (ValueError, AttributeError):   # cut off by a kill, or edited: kept aside, never deleted
+                damaged.append((number, line if line.endswith("\n") else line + "\n"))
                 continue
             if record_step <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
@@ -151,9 +151,16 @@ class MetricsLog:
                 dropped += 1
         if self.remote:
             self._lines = kept
-        if dropped:
+        if damaged:
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            aside = f"{self.path}.{stamp}.damaged"
+            storage.write_text(aside, "".join(f"line {n}: {text}" for n, text in damaged))
+            log.warning("%s: line(s) %s are not JSON records (a line cut off by a kill, or an edit); moved to %s",
+                        self.path, [n for n, _ in damaged], aside)
+        if dropped or damaged:
             storage.write_text(self.path, "".join(kept))
-            log.info("%s: dropped %d record(s) written after step %d (the resumed steps write them again)",
+        if dropped:
+            log.info("%s: dropped %d record(s) of steps after %d (the resumed steps write them again)",
                      self.path, dropped, step)
 
     def write(self, record: dict) -> None:

@@ -275,6 +275,19 @@ def test_backend_failures_are_recorded_and_asked_again_by_a_rerun(beir, tmp_path
     assert report["kept"] == 4 and report["dropped"] == 0
 
 
+def test_a_backend_that_fails_every_request_stops_the_run_and_writes_no_output(beir, tmp_path):
+    collection = sources.load(beir, limit=3, seed=0)
+    with FakeChat(lambda body, n: Reply(status=500, raw="down")) as server:
+        with pytest.raises(pipeline.BackendFailed) as e:
+            pipeline.run(context(server, collection, str(tmp_path / "cache")), str(tmp_path / "out"))
+    message = str(e.value)
+    assert "stage 'instruct': the backend failed every request (3 record(s)) at http://" in message
+    assert "HTTP 500: down" in message and e.value.exit_code == 3
+    assert not [n for n in ("curated.jsonl", "curated.parquet", "report.json") if (tmp_path / "out" / n).exists()]
+    store = pipeline.StageFile(str(tmp_path / "out" / "stages" / "instruct.jsonl"))
+    assert not any(store.finished(r) for r in store.rows)                       # all asked again by a rerun
+
+
 def test_a_changed_setting_is_refused_on_rerun(tmp_path):
     pipeline.check_run_identity(str(tmp_path), {"input": "a", "seed": 0})
     pipeline.check_run_identity(str(tmp_path), {"input": "a", "seed": 0})

@@ -12,6 +12,7 @@ from infjax.data.inf_ir import (
     FIELDS,
     LEGACY_FIELD_MAP,
     BadRowError,
+    DataFileError,
     MissingColumnError,
     clean_record,
     clean_records,
@@ -174,10 +175,14 @@ BAD_VALUES = {
     "none": (None, "None"),
     "integer": (5, "int"),
     "whitespace": ("  \n\t ", "empty after cleaning"),
+    "zero-width": ("\u200b\u200b \u200d", "only invisible characters"),
+    "byte-order marks": ("\ufeff\ufeff", "only invisible characters"),
+    "NUL": ("\x00\x00\x00", "only invisible characters"),
+    "mixed invisible": ("\ufeff\x00\u200b\u00ad\u2060", "only invisible characters"),
 }
 
 
-@pytest.mark.parametrize("kind", ["none", "integer", "whitespace"])
+@pytest.mark.parametrize("kind", sorted(BAD_VALUES))
 def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
     value, reason = BAD_VALUES[kind]
     rows = [raw_row(i) for i in range(4)]
@@ -190,6 +195,12 @@ def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
     message = str(err)
     assert "'msmarco'" in message and "row 2" in message and "'query_negative'" in message
     assert reason in message
+
+
+def test_text_with_one_visible_character_is_kept():
+    row = raw_row(0)
+    row["query_negative"] = "\ufeff\u200bx\u200b"
+    assert clean_record(row, field_map=None, split="s", row=0)["query_negative"] == "\ufeff\u200bx\u200b"
 
 
 def test_none_in_parquet_raises(tmp_path):
@@ -379,6 +390,28 @@ def test_flat_folder_uses_files_starting_with_split(tmp_path):
         load_inf_ir(str(tmp_path), "msmarco")
 
 
+def test_a_folder_names_what_it_reads_and_refuses_two_sets_of_one_split(tmp_path, caplog):
+    root = tmp_path / "InF-IR"
+    write_parquet(root / "data" / "msmarco-00000-of-00001.parquet", [raw_row(i) for i in range(3)])
+    write_parquet(root / "data" / "robust04-00000-of-00001.parquet", [raw_row(9)])
+    (root / "README.md").write_text("card")
+    with caplog.at_level(logging.INFO, logger="infjax"):
+        assert load_inf_ir(str(root), "msmarco") == [clean_row(i) for i in range(3)]
+    assert "reading ['data/msmarco-00000-of-00001.parquet']; not read: ['README.md', " \
+           "'data/robust04-00000-of-00001.parquet']" in caplog.text
+    write_jsonl(root / "msmarco_extra.jsonl", [raw_row(5)])            # the records would be silently ignored
+    with pytest.raises(DataFileError, match=r"holds InF-IR split 'msmarco' twice: in the hub layout \(1 file\(s\) "
+                                            r"data/msmarco-\*\.parquet\) and as \['msmarco_extra\.jsonl'\]"):
+        load_inf_ir(str(root), "msmarco")
+
+
+def test_a_flat_folder_of_mixed_formats_for_one_split_is_refused(tmp_path):
+    write_jsonl(tmp_path / "msmarco-a.jsonl", [raw_row(0)])
+    write_parquet(tmp_path / "msmarco-b.parquet", [raw_row(1)])
+    with pytest.raises(DataFileError, match=r"disagree in format \(\['json', 'parquet'\]"):
+        load_inf_ir(str(tmp_path), "msmarco")
+
+
 def test_nonexistent_path_raises_file_not_found(tmp_path):
     missing = str(tmp_path / "nope" / "msmarco.parquet")
     with pytest.raises(FileNotFoundError) as info:
@@ -413,3 +446,21 @@ def test_flatten_record_order():
     }
     assert flatten_record(record) == [("I+", "Q+", "P+"), ("I-", "Q+", "P1-"), ("I+", "Q-", "P2-")]
     assert flatten_record_no_hard_negatives(record) == [("I+", "Q+", "P+")]
+
+
+@pytest.mark.parametrize("dedupe", [True, False])
+def test_duplicate_records_are_counted_and_dropped_unless_kept(tmp_path, caplog, dedupe):
+    import ml_collections
+
+    from infjax.training.setup import load_training_records
+
+    rows = [raw_row(i) for i in range(5)] + [raw_row(1), raw_row(3), raw_row(1)]
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    data = ml_collections.ConfigDict({"source": path, "splits": "msmarco", "field_map": "auto",
+                                      "on_bad_row": "error", "limit": 0, "dedupe": dedupe})
+    with caplog.at_level(logging.WARNING):
+        records = load_training_records(data)
+    assert records == [clean_row(i) for i in range(5)] + ([] if dedupe else [clean_row(1), clean_row(3),
+                                                                             clean_row(1)])
+    assert ("3 duplicate record(s) " + ("dropped" if dedupe else "kept")) in caplog.text
+    assert "record 5 repeats record 1, record 6 repeats record 3, record 7 repeats record 1" in caplog.text

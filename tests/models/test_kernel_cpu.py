@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from infjax import errors
 from infjax.models import attention as A
 from infjax.models.kernels import cpu as C
 
@@ -101,8 +102,23 @@ def test_auto_takes_the_kernel_on_cpu_and_the_environment_overrides_it(monkeypat
     assert A.choose(q, q).impl == "explicit"
     assert A.choose(q, q, impl="kernel").impl == "kernel"
     monkeypatch.setenv(A.ENV, "fast")
-    with pytest.raises(ValueError, match="INFJAX_ATTENTION='fast'"):
+    with pytest.raises(errors.ConfigError, match="INFJAX_ATTENTION='fast'"):
         A.choose(q, q)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no record"])
+def test_a_damaged_library_in_the_cache_is_built_again_not_loaded(tmp_path, monkeypatch, caplog, damage):
+    monkeypatch.setenv("INFJAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    library = C._build()
+    whole = library.read_bytes()
+    if damage == "truncated":
+        library.write_bytes(whole[: len(whole) // 3])             # what a full disk or a kill mid-copy leaves
+        expected = "damaged (size and SHA-256"
+    else:
+        (library.parent / (library.name + ".sha256")).unlink()
+        expected = "damaged (no record of its size and hash)"
+    assert C._build() == library and len(library.read_bytes()) == len(whole)
+    assert expected in caplog.text and C._damage(library) is None
 
 
 def test_build_compiles_once_into_the_cache_and_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
@@ -110,7 +126,7 @@ def test_build_compiles_once_into_the_cache_and_a_failed_build_leaves_nothing(tm
     first = C._build()
     stamp = first.stat().st_mtime_ns
     assert C._build() == first and first.stat().st_mtime_ns == stamp       # the second call reuses the file
-    assert sorted(p.name for p in first.parent.iterdir()) == [first.name]
+    assert sorted(p.name for p in first.parent.iterdir()) == [first.name, first.name + ".sha256"]
 
     broken = tmp_path / "cxx"                 # a compiler that answers --version but fails to compile
     broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken-cxx 1.0; exit 0; fi\n"

@@ -107,6 +107,20 @@ def test_resume_drops_the_records_written_after_the_checkpoint(tmp_path):
     workdir_lib.MetricsLog(str(tmp_path)).start(4)
     kept = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in kept] == [1, 2, 3, 4, 4] and kept[-1] == rows[-1]
+    aside = [p for p in tmp_path.iterdir() if p.name.endswith(".damaged")]
+    assert len(aside) == 1 and aside[0].read_text() == 'line 8: {"step": 7, "lo\n'
+
+
+def test_a_damaged_line_inside_the_metrics_is_kept_aside_with_its_line_number(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": float(s)}) for s in range(1, 5)]
+    lines[1] = lines[1][:9] + "\x00garbage"                   # an edit or a disk fault, not the last line
+    path.write_text("\n".join(lines) + "\n")
+    workdir_lib.MetricsLog(str(tmp_path)).start(4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 3, 4]
+    aside = [p for p in tmp_path.iterdir() if p.name.endswith(".damaged")]
+    assert aside[0].read_text() == f"line 2: {lines[1]}\n"
+    assert "line(s) [2] are not JSON records" in caplog.text and "written after" not in caplog.text
 
 
 # ------------------------------------------------------------------ training data fingerprint
@@ -396,3 +410,31 @@ def test_follow_on_errors_of_a_failed_save_are_counted_not_printed(capsys):
         logger.removeHandler(handler)
     assert records[0] == "failed: x"                                   # Orbax's line, without its traceback
     assert records[1].startswith("failed: x\nTraceback") and "OUT_OF_RANGE" in records[1]   # ours keep theirs
+
+
+@pytest.mark.slow      # a 1-step run (~20 s here)
+def test_a_workdir_given_with_a_tilde_is_one_folder_in_home(tmp_path, monkeypatch):
+    """`--workdir=~/x` reaches the program unexpanded (the shell expands ~ only at a word's start): every file of
+    the run (checkpoints, metrics, lock) lands in $HOME/x, and no folder named ~ appears."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.run(small_config(**{"train.steps": 1, "eval.synthetic": False, "checkpoint.every": 1}), "~/x")
+    run = tmp_path / "home" / "x"
+    assert (run / "metrics.jsonl").is_file() and (run / "checkpoints").is_dir()
+    assert not any(p.name == "~" for p in (tmp_path / "cwd").rglob("*")) and not (tmp_path / "cwd" / "~").exists()
+
+
+@pytest.mark.parametrize("entry", ["infjax.train", "infjax.evaluate"])
+def test_a_bad_attention_switch_is_one_line(entry, tmp_path):
+    args = ["--config=configs/multi_pi.py", f"--workdir={tmp_path / 'w'}"] if entry == "infjax.train" else \
+        ["--model=embedded:all-MiniLM-L6-v2", "--dataset=synthetic"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="", INFJAX_ATTENTION="bogus")
+    p = subprocess.run([sys.executable, "-m", entry, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert sum("INFJAX_ATTENTION='bogus': choose one of" in line for line in out.splitlines()) == 1, out
+    assert not [line for line in out.splitlines() if "ERROR" in line or "error" in line][1:], out
+    assert not (tmp_path / "w").exists()

@@ -76,7 +76,10 @@ def _build() -> pathlib.Path:
                                     _cpu_features()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"cpu_attention-{key}.so"
     if target.exists():
-        return target
+        damage = _damage(target)
+        if damage is None:
+            return target
+        log.warning("the cached CPU attention kernel %s is damaged (%s); building it again", target, damage)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -89,12 +92,42 @@ def _build() -> pathlib.Path:
                                 capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed to build {_SOURCE.name}:\n{result.stderr[-2000:]}")
+        record = _digest_path(target)
+        record_tmp = f"{tmp}.sha256"
+        pathlib.Path(record_tmp).write_text(_digest(pathlib.Path(tmp)))
+        os.replace(record_tmp, record)   # the record first: a library in the cache always has one
         os.replace(tmp, target)          # atomic: a concurrent process sees no file or a whole one
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, f"{tmp}.sha256"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     log.info("compiled the CPU attention kernel into %s", target)
     return target
+
+
+def _digest_path(library: pathlib.Path) -> pathlib.Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _digest(library: pathlib.Path) -> str:
+    data = library.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _damage(library: pathlib.Path) -> str | None:
+    """Why the cached library cannot be loaded safely (a truncated file crashes ctypes with a bus error), or
+    None when its size and SHA-256 are those recorded when it was built."""
+    try:
+        recorded = _digest_path(library).read_text()
+    except OSError:
+        return "no record of its size and hash"
+    try:
+        actual = _digest(library)
+    except OSError as err:
+        return f"unreadable: {err}"
+    if actual != recorded:
+        return f"size and SHA-256 {actual.strip()!r}, built as {recorded.strip()!r}"
+    return None
 
 
 @functools.lru_cache(maxsize=None)
