@@ -184,6 +184,30 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     return override(c, overrides)
 
 
+PRESET_TIED = ("data.query_prefix", "data.passage_prefix", "model.pooling")   # what a preset sets for its model
+
+
+def preset_mismatch(c: ml_collections.ConfigDict) -> str | None:
+    """A one-line warning when model.checkpoint was overridden away from the preset's model while the preset's
+    prefixes or pooling (chosen for that model) still apply; None otherwise."""
+    preset = PRESETS.get(c.get("preset", ""), {})
+    if not preset or c.model.checkpoint == preset.get("model.checkpoint"):
+        return None
+    kept = [f"{k}={_get(c, k)!r}" for k in PRESET_TIED if k in preset and preset[k] and _get(c, k) == preset[k]]
+    if not kept:
+        return None
+    return (f"model.checkpoint={c.model.checkpoint} replaces preset {c.preset!r}'s {preset['model.checkpoint']}, "
+            f"but the preset's {', '.join(kept)} (chosen for that model) still apply; override them if "
+            f"{c.model.checkpoint} expects others")
+
+
+def _get(c, key: str):
+    node = c
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.ConfigDict:
     """Set dotted keys ("train.steps") in place, as --config.a.b=value does; returns `c`."""
     for key, value in values.items():

@@ -25,6 +25,7 @@ from infjax.curation import local, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
 from infjax.curation.backends import OpenAIBackend, ResponseCache
 from infjax.curation.retrieve import Retriever
+from infjax.runtime import storage
 
 log = logging.getLogger("infjax.curate")
 PROG = "python -m infjax.curate"
@@ -76,6 +77,9 @@ def validate(f: flags.FlagValues) -> list[str]:
         raise errors.UserError("--out is required (the output folder)")
     if os.path.isfile(f.out):
         raise bad("out", "is a file; give a folder")
+    why = storage.unwritable(f.out)
+    if why:
+        raise bad("out", f"cannot write there: {why}")
     names = list(stages_lib.STAGES) if f.stages == "all" else [s.strip() for s in f.stages.split(",") if s.strip()]
     unknown = [s for s in names if s not in stages_lib.STAGES]
     if unknown or not names:
@@ -128,8 +132,9 @@ def run(f: flags.FlagValues) -> dict:
         names = (f"openai:{f.model}", f"openai:{judge_model}")
     else:
         names = (f"local:{f.local_model}",) * 2
-    pipeline.check_run_identity(f.out, identity(f, s, *names))
+    pipeline.check_run_identity(f.out, identity(f, s, *names), write=False)     # other settings: refused now
     collection = sources.load(f.input, split=f.input_split, limit=f.limit or None, seed=f.seed)
+    pipeline.check_run_identity(f.out, identity(f, s, *names))       # the input is accepted: run.json, once
     log.info("%d pairs selected of %d in %s; %d passages in the collection", len(collection.pairs),
              collection.total_pairs, f.input, len(collection.passages))
     if f.backend == "openai":

@@ -124,6 +124,29 @@ def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[
     return cache.wrap_pairs(model.embed_pairs, key, model.step, dataset), ep
 
 
+def truncation(model, task) -> dict | None:
+    """How many of a task's encoder inputs the maximum lengths cut: {"query_max_len", "queries", "queries_cut",
+    "passage_max_len", "passages", "passages_cut"} (None when the model's tokenizer is not known). A cut text
+    scores lower for a reason that is not the model's: the log says it for every evaluation."""
+    if model.lengths is None:
+        return None
+    fmt = model.fmt
+    if isinstance(task, datasets.FollowIRTask):
+        split = task.split
+        pairs = [(ins[q], split.queries[q]) for ins in (split.instructions_og, split.instructions_changed)
+                 for q in split.queries]
+        corpus = split.corpus
+    else:
+        pairs = [(task.instructions.get(q, ""), task.queries[q]) for q in task.qrels]
+        corpus = task.corpus
+    queries = [q for _, q in pairs] if model.embed_pairs is not None else [fmt.query(i, q) for i, q in pairs]
+    q_len, p_len = model.lengths(queries), model.lengths([fmt.passage(t) for t in corpus.values()])
+    return {"query_max_len": model.query_max_len, "queries": len(q_len),
+            "queries_cut": sum(n > model.query_max_len for n in q_len),
+            "passage_max_len": model.passage_max_len, "passages": len(p_len),
+            "passages_cut": sum(n > model.passage_max_len for n in p_len)}
+
+
 def check_out(out: str, args) -> bool:
     """Whether `out` holds files to replace: an earlier evaluation of the same --model and --dataset, or
     anything with --overwrite. Any other non-empty folder is refused before the work starts."""
@@ -154,6 +177,9 @@ def run_evaluation(args: flags.FlagValues) -> dict:
         (os.path.expanduser(args.out) if args.out else None)
     if out and storage.exists(out) and not storage.isdir(out):
         raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
+    why = storage.unwritable(out) if out else None
+    if why:
+        raise DataError(f"--out={args.out}: cannot write there: {why}")
     replace = out is not None and check_out(out, args)
 
     def load_data(synthetic_defaults=None):
@@ -175,14 +201,21 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     t_data2 = time.perf_counter()
     cache = EmbeddingCache(storage.absolute(args.cache_dir)) if args.cache_dir else None
     results = []
+    cuts = {}
     for task in tasks:
+        cut = cuts[task.name] = truncation(model, task)
+        if cut is not None:
+            log.info("%s: %d of %d queries cut at %d tokens, %d of %d passages cut at %d tokens", task.name,
+                     cut["queries_cut"], cut["queries"], cut["query_max_len"], cut["passages_cut"], cut["passages"],
+                     cut["passage_max_len"])
         pairs, ep = cached_encoders(model, cache, f"{args.dataset}|{task.name}")
         results.append(evaluate_task(task, pairs, ep, model.fmt, top_k=args.top_k, block_size=args.block_size,
                                      progress=not args.no_progress))
     t_eval = time.perf_counter()
     summary = mean_summary(results)
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],
-            "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"]} for r in results],
+            "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"],
+                       "truncation": cuts.get(r["name"])} for r in results],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
                         "evaluate": t_eval - t_data2}}
     if jax.process_index() != 0:         # several processes computed the same results; one reports them

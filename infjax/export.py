@@ -179,6 +179,26 @@ def inference_length(trained: int, base_path: str, hf_config: Mapping[str, Any])
     return min(length, int(positions)) if isinstance(positions, int) and positions >= trained else length
 
 
+def base_pooler(base_path: str) -> dict[str, np.ndarray]:
+    """The base checkpoint's BERT pooler (`pooler.dense.*`), copied unchanged. infjax never uses it (it pools
+    token states itself), but `BertModel` has one: without it, every load of the export warns that the pooler
+    was "newly initialized", which reads as a broken model. {} when the base has none."""
+    from safetensors import safe_open
+
+    out = {}
+    try:
+        files = hf_files.safetensors_files(base_path)
+    except (OSError, ValueError):
+        return out
+    for file in files:
+        with safe_open(file, framework="np") as f:
+            for name in f.keys():
+                short = name.removeprefix("bert.")
+                if short.startswith("pooler."):
+                    out[short] = np.asarray(f.get_tensor(name), np.float32)
+    return out
+
+
 def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: Mapping[str, Any], base_path: str,
                        pooling: str, padding_side: str, max_seq_length: int, query_prefix: str = "",
                        passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)) -> None:
@@ -186,6 +206,8 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
     if family not in FAMILIES:
         raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(FAMILIES)}")
     tensors = FAMILIES[family].to_hf(params, hf_config, os.path.join(base_path, "config.json"))
+    if family == "bert":
+        tensors = {**base_pooler(base_path), **tensors}
     architecture = FAMILIES[family].architecture
     os.makedirs(folder, exist_ok=True)
     _write_json(os.path.join(folder, "config.json"), export_config(hf_config, architecture))
@@ -273,6 +295,34 @@ def _overlaps(a: str, b: str) -> bool:
     return os.path.commonpath([a, b]) in (a, b)
 
 
+def remove_stale_temporaries(out: str) -> list[str]:
+    """Remove the temporary folders (`.<DIR>.tmp-<pid>-*` beside DIR) of earlier exports to DIR whose process
+    is gone (killed: a kill -9 leaves one the size of the model); each removal is printed. Returns them."""
+    parent, name = os.path.dirname(out), os.path.basename(out)
+    removed = []
+    for entry in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
+        match = re.fullmatch(rf"\.{re.escape(name)}\.tmp-(?:(\d+)-)?\w+", entry)
+        path = os.path.join(parent, entry)
+        if not match or not os.path.isdir(path) or (match.group(1) and _alive(int(match.group(1)))):
+            continue
+        size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"removed {path}: the temporary folder of an export to {out} that did not finish "
+              f"({size / 2**20:.0f} MiB)", file=sys.stderr)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
     """Refuse an --out that export could not write without losing something.
 
@@ -282,6 +332,9 @@ def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
     """
     if storage.exists(out) and not storage.isdir(out):
         raise ExportError(f"--out={out} exists and is not a folder")
+    why = storage.unwritable(out)
+    if why:
+        raise ExportError(f"--out={out}: cannot write there: {why}")
     if source is not None and _overlaps(out, source) and (
             _resolved(out) == _resolved(source) or storage.exists(out)):
         raise ExportError(f"--out={out} is, contains or lies inside the run being exported (--workdir={source}); "
@@ -370,7 +423,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     parent = None if remote else os.path.dirname(out)
     if parent is not None:
         os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
+        remove_stale_temporaries(out)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{os.getpid()}-", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)             # mkdtemp makes 0700; DIR gets the usual permissions

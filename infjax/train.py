@@ -230,6 +230,9 @@ def run(config, workdir: str) -> TrainResult:
     unexpanded), or the URL of an object store."""
     workdir = storage.absolute(workdir)
     config_lib.validate(config, jax.device_count(), jax.process_count())
+    mismatch = config_lib.preset_mismatch(config)
+    if mismatch:
+        log.warning(mismatch)
     log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())
     log.info(runtime_cpu.describe())
@@ -403,12 +406,12 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
     """Save (asynchronously by default). Too little free disk for one more checkpoint, or a failed write
     (this one's or the previous asynchronous one's), stops the run with one message naming the last
     complete checkpoint."""
+    try:
+        ckpts.finish()     # the previous save must land before free space means anything (Orbax waits anyway)
+    except Exception as e:  # noqa: BLE001 - it failed: say so, with its own message
+        raise _save_failed(ckpts, ckpts.pending, e) from e
     needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
     if free < needed:
-        try:
-            ckpts.finish()        # the previous save may still be landing: it is the one to name
-        except Exception as e:  # noqa: BLE001 - it failed too: say so, with its own message
-            raise _save_failed(ckpts, ckpts.pending, e) from e
         last = ckpts.complete_steps()
         raise CheckpointSaveError(
             f"cannot save checkpoint {step} in {ckpts.directory}: {free / 2**30:.2f} GiB free on its disk, one "

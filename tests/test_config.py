@@ -89,3 +89,19 @@ def test_cli_offline_hub_preset_says_how_to_pass_a_local_folder(tmp_path):
                   "--config.data.source=synthetic")
     assert out.returncode == 2
     assert "intfloat/e5-base-v2" in out.stderr and "--config.model.checkpoint" in out.stderr
+
+
+def test_a_preset_prefix_kept_for_another_model_is_named():
+    from infjax import config as config_lib
+
+    c = config_lib.base_config("multi_pi", "e5-base-v2")
+    assert config_lib.preset_mismatch(c) is None
+    c.model.checkpoint = "BAAI/bge-base-en-v1.5"
+    message = config_lib.preset_mismatch(c)
+    assert message.startswith("model.checkpoint=BAAI/bge-base-en-v1.5 replaces preset 'e5-base-v2''s "
+                              "intfloat/e5-base-v2, but the preset's data.query_prefix='query: ', "
+                              "data.passage_prefix='passage: ', model.pooling='mean'")
+    c.data.query_prefix = c.data.passage_prefix = ""
+    c.model.pooling = "cls"
+    assert config_lib.preset_mismatch(c) is None
+    assert config_lib.preset_mismatch(config_lib.base_config("multi_pi")) is None       # the embedded default

@@ -508,3 +508,27 @@ def test_a_runs_cache_key_is_its_weights_not_its_path():
     model = EmbeddingModel("runs/x", "run", 3, TextFormat(), 8, 8, None, None,
                            cache_key=lambda: calls.append(1) or f"run:runs/x|weights={digest}")
     assert model.key() == model.key() == f"run:runs/x|weights={digest}" and calls == [1]     # computed once
+
+
+@needs_minilm
+def test_every_evaluation_says_how_many_texts_its_lengths_cut(tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from infjax.config import EMBEDDED
+    from infjax.models.hf.files import embedded_minilm_path
+
+    beir = write_beir(str(tmp_path / "toy"))
+    out = tmp_path / "out"
+    with caplog.at_level("INFO", logger="infjax"):
+        assert evaluate.main([f"--model={EMBEDDED}", f"--dataset=beir:{beir}", f"--out={out}", "--no_progress",
+                              "--query_max_len=12", "--passage_max_len=16"]) == 0
+    cut = json.loads((out / "meta.json").read_text())["tasks"][0]["truncation"]
+    task = eval_data.load(f"beir:{beir}")[0]
+    tok = AutoTokenizer.from_pretrained(embedded_minilm_path())               # an independent count
+    n = lambda texts, limit: sum(len(ids) > limit for ids in tok(texts)["input_ids"])   # noqa: E731
+    queries = [f"{task.queries[q]} {task.instructions.get(q, '')}" for q in task.qrels]
+    assert cut == {"query_max_len": 12, "queries": len(queries), "queries_cut": n(queries, 12),
+                   "passage_max_len": 16, "passages": len(task.corpus),
+                   "passages_cut": n(list(task.corpus.values()), 16)}
+    assert 0 < cut["passages_cut"] <= cut["passages"]
+    assert f"{cut['passages_cut']} of {cut['passages']} passages cut at 16 tokens" in caplog.text

@@ -1,6 +1,7 @@
 """Export: a trained run -> a Hugging Face + sentence-transformers folder with infjax's embeddings."""
 import json
 import os
+import subprocess
 import shutil
 
 import jax
@@ -316,3 +317,39 @@ def test_max_seq_length_past_the_position_table_is_refused(shared_run, tmp_path,
     assert "--max_seq_length=4096 exceeds the model's position table (max_position_embeddings=512" in err
     assert len(err.strip().splitlines()) == 1 and not os.path.exists(out)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".long")]        # no temporary left either
+
+
+@pytest.mark.skipif(os.access("/proc/sys", os.W_OK), reason="/proc/sys is writable here")
+def test_an_out_that_cannot_be_written_is_refused_before_the_export(shared_run, capsys):
+    assert export.main(["--workdir", shared_run, "--out", "/proc/sys/infjax-export"]) == 2
+    assert "--out=/proc/sys/infjax-export: cannot write there: /proc/sys is not writable" in capsys.readouterr().err
+
+
+def test_the_temporary_folder_of_a_killed_export_is_removed_by_the_next(shared_run, tmp_path, capsys):
+    out = tmp_path / "model"
+    dead = _dead_pid()
+    stale = tmp_path / f".model.tmp-{dead}-abc123"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "model.safetensors").write_bytes(b"\0" * 2**20)
+    live = tmp_path / f".model.tmp-{os.getpid()}-def456"            # another export still writing: left alone
+    live.mkdir()
+    old_style = tmp_path / ".model.tmp-xyz789"                      # an earlier version's name: no pid, stale
+    old_style.mkdir()
+    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 0
+    assert not stale.exists() and not old_style.exists() and live.exists()
+    err = capsys.readouterr().err
+    assert f"removed {stale}: the temporary folder of an export to {out} that did not finish (1 MiB)" in err
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_bert_export_loads_with_no_missing_weight(exported):
+    """sentence-transformers loads the bare BertModel, pooler included: no "newly initialized" warning."""
+    from transformers import AutoModel
+
+    _, info = AutoModel.from_pretrained(exported, output_loading_info=True)
+    assert info["missing_keys"] in ([], set()) and not info.get("mismatched_keys")

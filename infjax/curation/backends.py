@@ -122,6 +122,9 @@ class ResponseCache:
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(value, f)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)       # mkstemp makes 0600; the cache gets the usual permissions
         os.replace(tmp, path)
 
 

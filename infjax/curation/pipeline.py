@@ -80,8 +80,9 @@ class StageFile:
         return row is not None and (row["ok"] or row["kind"] != "backend")
 
 
-def check_run_identity(out: str, identity: dict) -> None:
-    """Write run.json on the first run; on a rerun refuse other settings (they would mix two curations)."""
+def check_run_identity(out: str, identity: dict, write: bool = True) -> None:
+    """On a rerun refuse other settings (they would mix two curations); on the first run write run.json
+    (with write=False only check: the caller writes once its input is accepted)."""
     path = os.path.join(out, "run.json")
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
@@ -92,8 +93,15 @@ def check_run_identity(out: str, identity: dict) -> None:
             raise RunMismatch(f"{path}: --out holds a curation made with other settings ({shown}); "
                               "use another --out, or the same flags to continue it")
         return
-    os.makedirs(out, exist_ok=True)
-    _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
+    if write:
+        os.makedirs(out, exist_ok=True)
+        _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _write_atomic(path: str, text: str | None = None, write=None) -> None:
@@ -105,6 +113,7 @@ def _write_atomic(path: str, text: str | None = None, write=None) -> None:
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())       # mkstemp makes 0600: outputs get the usual permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

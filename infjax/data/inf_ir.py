@@ -27,6 +27,7 @@ Bad rows are never dropped silently.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import glob
 import json
@@ -150,8 +151,8 @@ class MissingColumnError(UserError, ValueError):
         self.available = list(available)
         super().__init__(
             f"InF-IR split {split!r}, field {field!r}: source column {column!r} not found; "
-            f"columns present: {self.available}. Pass field_map={{{field!r}: '<column>'}} "
-            "to read the field from another column."
+            f"columns present: {self.available}. Rename that column to {field!r} in the data, or choose "
+            "config.data.field_map=auto|default|legacy (legacy: P+ in a column named 'document')."
         )
 
     def __reduce__(self):
@@ -342,6 +343,10 @@ def clean_records(
             if on_bad_row == "error":
                 raise
             bad.append(error)
+    if bad and not records:
+        reasons = collections.Counter(f"{e.field!r}: {e.reason}" for e in bad)
+        raise DataFileError(f"InF-IR split {split!r}: no usable rows: all {len(bad)} were skipped as bad "
+                            f"(on_bad_row=skip); per reason: {dict(reasons.most_common())}")
     if bad:
         _warn_skipped(split, bad)
     return records, len(bad)
@@ -431,6 +436,9 @@ def _load_local(files: list[str], split: str):
         if os.path.getsize(path) == 0:
             raise DataFileError(f"{path}: empty file (no rows)")
     builder = builders.pop()
+    if builder == "parquet" and all(_parquet_rows(path) == 0 for path in files):
+        raise DataFileError(f"{', '.join(files)}: a valid parquet file with no rows (a curation that kept 0 "
+                            f"records writes one): nothing to train on")
     with tempfile.TemporaryDirectory(prefix="infjax-inf-ir-") as cache_dir, _quiet_datasets():
         try:
             dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir,
@@ -447,7 +455,37 @@ def _load_local(files: list[str], split: str):
                                 f"({type(cause).__name__}: {str(cause)[:300]})") from error
     if len(dataset) == 0:
         raise DataFileError(f"{', '.join(files)}: no rows")
+    if builder == "json":           # pyarrow's reader keeps bytes that are not UTF-8 until a row is read
+        for path in files:
+            _check_utf8(path)
     return dataset
+
+
+def _check_utf8(path: str, chunk: int = 1 << 24) -> None:
+    """DataFileError naming the line and byte where `path` stops being UTF-8 (read in chunks, no copy)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        try:
+            while True:
+                block = f.read(chunk)
+                decoder.decode(block, final=not block)
+                if not block:
+                    return
+        except UnicodeDecodeError:
+            pass
+    raise DataFileError(f"{path}: {_first_problem(path) or 'not UTF-8 text'}")
+
+
+def _parquet_rows(path: str) -> int | None:
+    """The row count of a parquet file's footer, or None when it cannot be read (the loader says why)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception:   # noqa: BLE001
+        return None
 
 
 @contextlib.contextmanager

@@ -73,5 +73,11 @@ class Tokenizer:
         out = self._tok(list(texts), truncation=True, max_length=max_len)["input_ids"]
         return [np.asarray(ids, np.int32) for ids in out]
 
+    def lengths(self, texts: list[str]) -> list[int]:
+        """Token counts of each text uncut (special tokens included): what `max_len` cuts is the excess."""
+        if not texts:
+            return []
+        return [len(ids) for ids in self._tok(list(texts), truncation=False, verbose=False)["input_ids"]]
+
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -244,8 +244,9 @@ def _qrels_dict(entries, path: str, queries, corpus, lenient: bool) -> dict[str,
             if lenient:
                 dropped += 1
                 continue
-            raise DataError(f"{path}:{line}: document id {did!r} (query {qid!r}) is not in the corpus; "
-                            f"pass --lenient_qrels to drop judgments of unknown documents")
+            raise DataError(f"{path}:{line}: document id {did!r} (query {qid!r}) is not in the corpus; fix the "
+                            f"qrels, or drop judgments of unknown documents with infjax.evaluate --lenient_qrels "
+                            f"(training's eval.sets takes judged documents only)")
         judged = qrels.setdefault(qid, {})
         if did in judged:
             first, grade_before = lines[(qid, did)], judged[did]

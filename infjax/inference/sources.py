@@ -64,6 +64,7 @@ class EmbeddingModel:
     cache_key: str | Callable[[], str] = ""
     # (instructions, queries) -> iq embeddings, for models that do not read one text (Interaction II).
     embed_pairs: PairEmbedFn | None = None
+    lengths: Callable[[list[str]], list[int]] | None = None     # uncut token counts of texts (its tokenizer)
 
     def key(self) -> str:
         """The embedding cache's model key (computed once)."""
@@ -247,7 +248,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
                f"|len={qlen}/{plen}"
     key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
-                          cache_key=key, embed_pairs=embed_pairs)
+                          cache_key=key, embed_pairs=embed_pairs, lengths=tokenizer.lengths)
 
 
 def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress) -> EmbeddingModel:
@@ -270,7 +271,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     tokenizer = Tokenizer(path, padding_side=encoder.padding_side)
     eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
     key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
-    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key)
+    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, lengths=tokenizer.lengths)
 
 
 def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
@@ -286,7 +287,13 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
         device = "cuda" if torch.cuda.is_available() else "cpu"
     except ImportError:  # pragma: no cover - sentence-transformers needs torch
         device = "cpu"
-    model = SentenceTransformer(folder, device=device)
+    try:
+        model = SentenceTransformer(folder, device=device)
+    except Exception as e:   # noqa: BLE001 - a damaged weight file, a broken config: one line naming the folder
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+        raise ModelSourceError(f"--model={source}: sentence-transformers cannot load {folder} "
+                               f"({type(e).__name__}: {first[:200]}); a weight or config file is damaged or "
+                               f"incomplete: copy or download it again") from None
     for name, tensor in model.named_parameters():
         if not bool(tensor.isfinite().all()):
             raise NonFiniteParams(f"--model={source}: parameter {name} holds {int((~tensor.isfinite()).sum())} "
@@ -307,5 +314,7 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
         return np.asarray(out, np.float32)
 
     key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}|len={qlen}/{plen}"
+    lengths = lambda t: [len(ids) for ids in model.tokenizer(list(t), truncation=False,   # noqa: E731
+                                                             verbose=False)["input_ids"]] if t else []
     return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
-                          lambda t: embed(t, qlen), lambda t: embed(t, plen), cache_key=key)
+                          lambda t: embed(t, qlen), lambda t: embed(t, plen), cache_key=key, lengths=lengths)

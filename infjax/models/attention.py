@@ -40,6 +40,7 @@ import contextvars
 import dataclasses
 import logging
 import os
+import re
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -134,6 +135,7 @@ def choose(q, k, *, causal: bool = False, window=None, dropout: bool = False, im
     return Choice("explicit", "; ".join(passed))
 
 
+_WARNED: set[str] = set()      # fallback reasons already warned about
 _REPORTED: set[str] = set()
 
 
@@ -149,7 +151,11 @@ def _report(choice: Choice, q, causal, window, impl: str) -> None:
     _REPORTED.add(message)
     fell_back = choice.impl == "explicit" and ":" in choice.reason
     accelerator = kernels.platform() != "cpu"
-    log.log(logging.WARNING if fell_back and (accelerator or requested(impl) != "auto") else logging.INFO, message)
+    kind = re.sub(r"\d+", "N", choice.reason)      # the reason, whatever the shape
+    warn = fell_back and (accelerator or requested(impl) != "auto") and kind not in _WARNED
+    if warn:                        # once per reason: the other shapes that fall back for it are INFO lines
+        _WARNED.add(kind)
+    log.log(logging.WARNING if warn else logging.INFO, message)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, causal: bool = False,

@@ -29,6 +29,12 @@ class CheckpointReadError(UserError, RuntimeError):
     """A checkpoint step exists but cannot be read; the message names its folder."""
 
 
+def _one_line(error: BaseException) -> str:
+    """The first line of an error (TensorStore's messages run to 20 lines), with its type."""
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {first[:300]}"
+
+
 COMMIT_FILE = "commit_success.txt"   # on gs://, Orbax marks a finished step with this file instead of a rename
 
 
@@ -156,7 +162,7 @@ class Checkpoints:
             return self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
         except Exception as e:   # noqa: BLE001 - any failure means the checkpoint cannot be used
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (config): "
-                                      f"{type(e).__name__}: {e}") from e
+                                      f"{_one_line(e)}") from e
 
     def saved_data_position(self, step: int) -> dict:
         """The data position saved with `step` (epoch, offset, data fingerprint), without reading the state."""
@@ -164,7 +170,7 @@ class Checkpoints:
             return self.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
         except Exception as e:   # noqa: BLE001
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (data position): "
-                                      f"{type(e).__name__}: {e}") from e
+                                      f"{_one_line(e)}") from e
 
     def complete_steps(self) -> list[int]:
         """Steps whose save finished (see `finished_steps`)."""
@@ -191,7 +197,7 @@ class Checkpoints:
             ))
         except Exception as e:   # noqa: BLE001
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read: "
-                                      f"{type(e).__name__}: {str(e)[:500]}") from e
+                                      f"{_one_line(e)}") from e
         return out["state"], out["data"]
 
     def restore_params(self, step: int, abstract_params, on_host: bool = False):
@@ -207,7 +213,7 @@ class Checkpoints:
                 item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True)))
         except Exception as e:   # noqa: BLE001
             raise CheckpointReadError(f"checkpoint {self.step_dir(step)} cannot be read (parameters): "
-                                      f"{type(e).__name__}: {str(e)[:500]}") from e
+                                      f"{_one_line(e)}") from e
         return out["state"]["params"]
 
     def restore_newest_readable(self, abstract_state, fallback: bool, check_config=None) -> tuple[int, object, dict]:

@@ -34,6 +34,32 @@ def absolute(path: str) -> str:
     return path.rstrip("/") if is_remote(path) else os.path.abspath(os.path.expanduser(path))
 
 
+def unwritable(path: str) -> str | None:
+    """Why a local folder `path` (existing or to be created) cannot be written, or None (object stores: None;
+    their permissions show at the first write)."""
+    if is_remote(path):
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    probe = path
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable" + (" (read-only file system)" if _read_only(probe) else "")
+    return None
+
+
+def _read_only(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def join(path: str, *parts: str) -> str:
     if is_remote(path):
         return "/".join([path.rstrip("/"), *[p.strip("/") for p in parts]])

@@ -493,3 +493,25 @@ def test_local_backend_writes_the_labels_and_keys_sampling_by_request(tmp_path):
     together = LocalBackend("tiny", folder, ResponseCache(None), batch_size=4).complete(sampled)[2].text
     assert alone == together
     assert len({a.text for a in backend.complete(sampled)}) > 1
+
+
+def test_refused_input_writes_no_run_state(tmp_path):
+    from infjax import curate
+
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"query": "q"}\n')                           # no passage
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        curate.main([f"--input={bad}", f"--out={out}", "--backend=local"])
+    assert e.value.code == 2 and not (out / "run.json").exists()
+
+
+def test_outputs_get_the_process_umask_permissions(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        pipeline._write_atomic(str(tmp_path / "report.json"), "{}\n")
+        pipeline.check_run_identity(str(tmp_path / "o"), {"input": "a"})
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "o" / "run.json").stat().st_mode & 0o777 == 0o644

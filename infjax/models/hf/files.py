@@ -171,6 +171,15 @@ def _read_safetensors_raw(file: str) -> dict[str, np.ndarray]:
     return out
 
 
+class WeightsUnreadable(UserError, ValueError):
+    """A weight file that exists but cannot be read (truncated by an interrupted copy or download, damaged)."""
+
+    def __init__(self, file: str, error: BaseException):
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        super().__init__(f"{file}: cannot be read as safetensors ({first[:200]}); the file is damaged or "
+                         f"incomplete: copy or download it again")
+
+
 def _read_safetensors_file(file: str) -> dict[str, np.ndarray]:
     """All tensors of one safetensors file as numpy arrays (original dtypes)."""
     from safetensors import safe_open
@@ -180,8 +189,10 @@ def _read_safetensors_file(file: str) -> dict[str, np.ndarray]:
             return {name: f.get_tensor(name) for name in f.keys()}
     except (TypeError, ValueError, KeyError) as e:  # e.g. old safetensors without bf16 in numpy
         if "bfloat16" not in str(e).lower() and "bf16" not in str(e).lower():
-            raise
+            raise WeightsUnreadable(file, e) from None
         return _read_safetensors_raw(file)
+    except Exception as e:   # noqa: BLE001 - safetensors' SafetensorError (a truncated or damaged file)
+        raise WeightsUnreadable(file, e) from None
 
 
 def _to_float32(x: np.ndarray) -> np.ndarray:
