@@ -271,17 +271,17 @@ def test_run_directory_and_its_export_give_the_same_metrics(tmp_path):
     exported = str(tmp_path / "exported")
     assert export.main(["--workdir", run, "--out", exported, "--max_seq_length", "48"]) == 0
     beir, fir = write_beir(str(tmp_path / "toy")), write_followir(str(tmp_path / "core17-instructions"))
-    for dataset in (f"beir:{beir}", f"followir:{fir}"):
+    for d, dataset in enumerate((f"beir:{beir}", f"followir:{fir}")):
         summaries = {}
         for model in (run, exported):
-            out = tmp_path / "out" / str(len(summaries))
+            out = tmp_path / f"out{d}" / str(len(summaries))   # one folder per evaluation (evaluate refuses reuse)
             assert evaluate.main([f"--model={model}", f"--dataset={dataset}", f"--out={out}", "--no_progress"]) == 0
             summaries[model] = json.load(open(out / "summary.json"))
             meta = json.load(open(out / "meta.json"))
             assert (meta["query_max_len"], meta["passage_max_len"]) == (48, 48)
         assert summaries[run] == pytest.approx(summaries[exported], abs=1e-6), dataset
-    assert json.load(open(tmp_path / "out" / "0" / "meta.json"))["model_type"] == "run"
-    assert json.load(open(tmp_path / "out" / "1" / "meta.json"))["model_type"] == "sentence_transformers"
+    assert json.load(open(tmp_path / "out1" / "0" / "meta.json"))["model_type"] == "run"
+    assert json.load(open(tmp_path / "out1" / "1" / "meta.json"))["model_type"] == "sentence_transformers"
 
 
 @needs_minilm
