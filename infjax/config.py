@@ -16,6 +16,7 @@ from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
 from infjax.models import attention
 from infjax.models.encoder import EMBEDDED, POOLINGS
+from infjax.models.lora import PROJECTIONS as LORA_PROJECTIONS
 from infjax.models.registry import FAMILIES
 from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
 
@@ -94,6 +95,15 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
     c.model.scan_layers = False        # run layers with nn.scan (one compiled layer); use it with fsdp for big
                                        # models: unrolled, XLA gathers every layer's kernels at once
+    c.model.lora = ml_collections.ConfigDict()   # low-rank adapters (docs/lora.md): train A, B; the base is frozen
+    c.model.lora.rank = 0              # r of every adapter; 0 = off (the whole backbone trains)
+    c.model.lora.alpha = 32.0          # the update is (alpha / rank) * x A B
+    c.model.lora.dropout = 0.0         # dropout on the adapters' input while training (the base path has none)
+    c.model.lora.targets = "all"       # "all" (every Linear layer of the backbone), or comma-separated from
+                                       # q,k,v,o (attention) and gate,up,down (MLP; BERT has up,down only;
+                                       # ModernBERT fuses q,k,v and gate,up: name all of a fused group or none)
+    c.model.lora.base_dtype = "auto"   # storage of the frozen base weights: auto (= model.dtype) | float32 |
+                                       # bfloat16 (half the memory; the compute dtype casts them anyway)
 
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)
@@ -245,6 +255,8 @@ def incompatible_changes(saved: dict, current: dict) -> list[tuple[str, object, 
     for key in sorted(set(a) | set(b)):
         if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
             continue
+        if key.startswith("model.lora.") and key not in a and not b.get("model.lora.rank"):
+            continue          # saved before LoRA existed: it trained without adapters, as rank 0 does
         if a.get(key, "<absent>") != b.get(key, "<absent>"):
             diffs.append((key, a.get(key, "<absent>"), b.get(key, "<absent>")))
     return diffs
@@ -301,6 +313,20 @@ def _validate_objective_and_model(c) -> None:
         _check(isinstance(c.model[key], bool), f"model.{key}", c.model[key], "must be True or False")
     _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
            "must name a local folder, a hub id, or " + EMBEDDED)
+    _validate_lora(c.model.lora)
+
+
+def _validate_lora(lora) -> None:
+    _check(isinstance(lora.rank, int) and not isinstance(lora.rank, bool) and lora.rank >= 0, "model.lora.rank",
+           lora.rank, "must be an integer >= 0 (0 = off)")
+    _check(isinstance(lora.alpha, (int, float)) and lora.alpha > 0, "model.lora.alpha", lora.alpha, "must be > 0")
+    _check(isinstance(lora.dropout, (int, float)) and 0 <= lora.dropout < 1, "model.lora.dropout", lora.dropout,
+           "must be in [0, 1)")
+    names = [t.strip() for t in str(lora.targets).split(",") if t.strip()]
+    _check(isinstance(lora.targets, str) and (names == ["all"] or (names and set(names) <= set(LORA_PROJECTIONS))),
+           "model.lora.targets", lora.targets, f"must be 'all' or comma-separated names from {list(LORA_PROJECTIONS)}")
+    _check(lora.base_dtype in ("auto", "float32", "bfloat16"), "model.lora.base_dtype", lora.base_dtype,
+           "must be auto (= model.dtype), float32 or bfloat16")
 
 
 def _validate_data(c) -> None:

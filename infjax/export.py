@@ -1,6 +1,7 @@
 """Export a trained run as a Hugging Face + sentence-transformers folder.
 
     python -m infjax.export --workdir runs/x --out exported/x [--step N] [--overwrite] [--max_shard_size 5GB]
+    python -m infjax.export --workdir runs/lora --out exported/lora-adapter --adapter
 
 DIR gets ``config.json`` (the base checkpoint's config, naming the bare
 model class and float32), ``model.safetensors`` (or shards plus
@@ -10,6 +11,9 @@ that fix pooling and L2 normalization, so that ``transformers.AutoModel``
 and ``sentence_transformers.SentenceTransformer`` load DIR and give the
 embeddings infjax gives. A run with separate encoders exports DIR/query and
 DIR/passage. DIR/README.md states the query template and prefixes to use.
+A LoRA run (model.lora.rank > 0) exports the same way, its adapters merged
+into the base weights; with ``--adapter`` DIR is instead a PEFT folder of
+the adapters alone (infjax.models.hf.peft), for the base model it names.
 
 Everything is written into a temporary folder next to DIR and renamed into
 place at the end, so a failure never leaves a half-written DIR. Exit code 2
@@ -32,7 +36,8 @@ from absl import flags
 from infjax import cli, errors
 from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
-from infjax.models.hf import files as hf_files
+from infjax.models.encoder import EMBEDDED
+from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
 from infjax.runtime import storage
 from infjax.runtime.restore import check_finite, load_run
@@ -217,6 +222,12 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
                                       query_prefix, passage_prefix)
 
 
+def write_head(folder: str, head: Mapping) -> None:
+    """The Interaction II head (float32 w_i, w_q1, w_q2) as INTERACTION_FILE."""
+    hf_files.write_safetensors_file(os.path.join(folder, INTERACTION_FILE),
+                                    {k: np.asarray(v, np.float32) for k, v in head.items()}, {"format": "np"})
+
+
 # --------------------------------------------------------------------------
 # README
 # --------------------------------------------------------------------------
@@ -398,7 +409,6 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     temporary folder and uploaded (see `_upload`). Returns ``out``.
     """
     out = storage.absolute(out)
-    remote = storage.is_remote(out)
     shard_bytes = parse_size(max_shard_size)
     _check_out(out, overwrite, run or None)
     check_finite(params, f"export of {run or 'the given parameters'}" + (f" step {step}" if step is not None else ""))
@@ -420,6 +430,33 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                  "passage": (params["passage"], length(passage_max_len))}
     else:
         raise ExportError(f"parameters must hold 'shared' or 'query' and 'passage', got {sorted(params)}")
+
+    def write(tmp: str) -> None:
+        for sub, (tree, max_len) in parts.items():
+            write_model_folder(os.path.join(tmp, sub) if sub else tmp, family=family, params=tree,
+                               hf_config=hf_config, base_path=base_path, pooling=pooling,
+                               padding_side=padding_side, max_seq_length=max_len, query_prefix=query_prefix,
+                               passage_prefix=passage_prefix, max_shard_size=shard_bytes)
+        if head is not None:
+            write_head(tmp, head)
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(readme_text(separate="shared" not in params, base=base or base_path, family=family,
+                                pooling=pooling,
+                                padding_side=padding_side, query_template=query_template,
+                                query_prefix=query_prefix, passage_prefix=passage_prefix,
+                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step,
+                                max_seq_length={sub: n for sub, (_, n) in parts.items()})
+                    + (INTERACTION_README if head is not None else ""))
+
+    return _write_atomically(out, write, {"run": storage.absolute(run) if run else None, "step": step,
+                                          "base": base or base_path, "family": family})
+
+
+def _write_atomically(out: str, write, marker: dict) -> str:
+    """Run ``write(tmp)`` on a temporary folder beside ``out`` (mode per the umask), add the marker file and
+    rename it into place (object stores: upload, see `_upload`); on any failure the temporary folder is
+    removed and ``out`` is left as it was. Returns ``out``."""
+    remote = storage.is_remote(out)
     parent = None if remote else os.path.dirname(out)
     if parent is not None:
         os.makedirs(parent, exist_ok=True)
@@ -429,26 +466,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)             # mkdtemp makes 0700; DIR gets the usual permissions
     try:
-        for sub, (tree, max_len) in parts.items():
-            write_model_folder(os.path.join(tmp, sub) if sub else tmp, family=family, params=tree,
-                               hf_config=hf_config, base_path=base_path, pooling=pooling,
-                               padding_side=padding_side, max_seq_length=max_len, query_prefix=query_prefix,
-                               passage_prefix=passage_prefix, max_shard_size=shard_bytes)
-        if head is not None:
-            from safetensors.numpy import save_file
-
-            save_file({k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in head.items()},
-                      os.path.join(tmp, INTERACTION_FILE))
-        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(readme_text(separate="shared" not in params, base=base or base_path, family=family,
-                                pooling=pooling,
-                                padding_side=padding_side, query_template=query_template,
-                                query_prefix=query_prefix, passage_prefix=passage_prefix,
-                                query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step,
-                                max_seq_length={sub: n for sub, (_, n) in parts.items()})
-                    + (INTERACTION_README if head is not None else ""))
-        _write_json(os.path.join(tmp, MARKER_FILE), {"run": storage.absolute(run) if run else None, "step": step,
-                                                    "base": base or base_path, "family": family})
+        write(tmp)
+        _write_json(os.path.join(tmp, MARKER_FILE), marker)
         if remote:
             _upload(tmp, out)
         else:
@@ -461,14 +480,77 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     return out
 
 
+def export_adapters(out: str, run, workdir: str) -> str:
+    """Write a LoRA run's adapters as PEFT folder(s) to ``out`` (atomically, as `export_model`): DIR, or DIR/query
+    and DIR/passage for separate encoders; an Interaction II head beside them; a README on loading them.
+    ``out`` was checked by `_check_out`."""
+    if run.lora is None:
+        raise ExportError(f"--adapter: the run in {workdir} trained the whole backbone (model.lora.rank=0), so it "
+                          f"has no adapters; export it without --adapter")
+    family = FAMILIES[run.encoder.family]
+    hf_config = hf_files.load_hf_config(run.base_path)
+    config = family.config.from_hf_dict(hf_config, os.path.join(run.base_path, "config.json"))
+    towers = [t for t in ("shared", "query", "passage") if t in run.adapters]
+    checkpoint = run.config.model.checkpoint       # the embedded MiniLM is the hub's all-MiniLM-L6-v2
+    base = "sentence-transformers/all-MiniLM-L6-v2" if checkpoint == EMBEDDED else checkpoint
+
+    def write(tmp: str) -> None:
+        for tower in towers:
+            folder = tmp if tower == "shared" else os.path.join(tmp, tower)
+            os.makedirs(folder, exist_ok=True)
+            tensors = peft.tensors(run.adapters[tower], family, config)
+            hf_files.write_safetensors_file(os.path.join(folder, peft.WEIGHTS_FILE), tensors, {"format": "pt"})
+            _write_json(os.path.join(folder, peft.CONFIG_FILE),
+                        peft.adapter_config(run.lora, peft.modules_of(tensors), base))
+            write_tokenizer(folder, run.base_path, run.encoder.padding_side)
+        if "interaction" in run.adapters:
+            write_head(tmp, run.adapters["interaction"])
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(adapter_readme(base, run.encoder.family, run.encoder.pooling, run.encoder.padding_side,
+                                   run.config.data, [t for t in towers if t != "shared"], run.step)
+                    + (INTERACTION_README if "interaction" in run.adapters else ""))
+    return _write_atomically(out, write, {"run": workdir, "step": run.step, "base": base,
+                                          "family": run.encoder.family, "adapter": True})
+
+
+def adapter_readme(base: str, family: str, pooling: str, padding_side: str, data, towers: list[str],
+                   step: int) -> str:
+    folder = "DIR/query" if towers else "DIR"
+    return f"""{_README_TITLE}
+
+LoRA adapters (PEFT format) for `{base}` ({family}), trained with infjax (step {step}).
+{"Two adapter folders: `query/` for instruction-queries, `passage/` for passages." if towers else
+ "One adapter for instruction-queries and passages."}
+They adapt the bare model (`AutoModel`), not a `*ForCausalLM` / `*ForMaskedLM` one.
+Embeddings: {pooling} pooling of the last hidden states ({padding_side} padding), L2-normalized.
+
+```python
+from peft import PeftModel
+from transformers import AutoModel, AutoTokenizer
+
+model = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{folder}").merge_and_unload()
+tokenizer = AutoTokenizer.from_pretrained("{folder}")
+```
+
+Query text: `{data.query_prefix!r} + {data.query_template!r}.format(instruction=I, query=Q).strip()`;
+passage text: `{data.passage_prefix!r} + passage`. For a sentence-transformers folder with the adapters
+merged in, run `python -m infjax.export` without `--adapter`.
+"""
+
+
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
-               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None) -> str:
-    """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`."""
+               max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None,
+               adapter: bool = False) -> str:
+    """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`.
+    A LoRA run exports merged (base + scale * A B in every adapted kernel), or with ``adapter`` as PEFT
+    adapters (`export_adapters`)."""
     out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
     parse_size(max_shard_size)
     _check_max_seq_length(max_seq_length)
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
     run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
+    if adapter:
+        return export_adapters(out_abs, run, workdir)
     config = run.config
     return export_model(
         out_abs, family=run.encoder.family, params=run.params, hf_config=hf_files.load_hf_config(run.base_path),
@@ -494,6 +576,9 @@ def define_flags(fv: flags.FlagValues) -> None:
                         flag_values=fv)
     flags.DEFINE_integer("max_seq_length", None, "tokens sentence-transformers reads (default: the longer of the "
                          "training length and the base model's own max_seq_length)", flag_values=fv)
+    flags.DEFINE_bool("adapter", False, "LoRA runs: write the adapters as a PEFT folder (adapter_config.json + "
+                      "adapter_model.safetensors for peft.PeftModel.from_pretrained) instead of a merged model",
+                      flag_values=fv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                      required=("workdir", "out"))
     try:
         out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
-                         args.max_seq_length)
+                         args.max_seq_length, args.adapter)
     except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
         code = errors.report("infjax.export", e)
         if code is None:

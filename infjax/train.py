@@ -32,6 +32,7 @@ from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import load_encoder, passage_params, query_params
+from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
 from infjax.training import console, state as state_lib, workdir as workdir_lib, writers as writers_lib
 from infjax.runtime.restore import saved_steps
@@ -143,9 +144,10 @@ class Evaluator:
 
     def __call__(self, state, specs: list[str]) -> dict[str, dict[str, float]]:
         qlen, plen = self.config.data.query_max_len, self.config.data.passage_max_len
-        qp, pp = query_params(state.params), passage_params(state.params)
+        params = state.model_params
+        qp, pp = query_params(params), passage_params(params)
         if self.pair_embedder is not None:           # Interaction II: instruction and query encoded apart
-            pairs = lambda i, q: self.pair_embedder(state.params, i, q, qlen)   # noqa: E731
+            pairs = lambda i, q: self.pair_embedder(params, i, q, qlen)   # noqa: E731
         else:
             pairs = template_pairs(lambda t: self.embedder(qp, t, qlen), self.fmt)
         return evaluate_specs(specs, pairs, lambda t: self.embedder(pp, t, plen), self.fmt,
@@ -196,7 +198,9 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
         return 0, state
 
     def refuse_incompatible(step: int, saved: dict) -> None:
-        diffs = config_lib.incompatible_changes(saved, config_json)
+        refuse_other_base(step, saved.get(BASE_KEY), config_json.get(BASE_KEY))
+        diffs = config_lib.incompatible_changes({k: v for k, v in saved.items() if k != BASE_KEY},
+                                                {k: v for k, v in config_json.items() if k != BASE_KEY})
         if diffs:
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, a, b in diffs)
             raise config_lib.ConfigError(f"cannot resume from {ckpts.step_dir(step)}: the config changed in "
@@ -215,11 +219,40 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
             log.warning("resuming on changed training data (%s -> %s) as data.resume_if_changed asks",
                         saved_fp, fingerprint)
 
-    start, state, position = ckpts.restore_newest_readable(checkpoint.abstract_like(state),
+    start, saved, position = ckpts.restore_newest_readable(checkpoint.abstract_like(state_lib.savable(state)),
                                                            config.checkpoint.fallback, refuse_incompatible)
+    state = saved.replace(frozen=state.frozen)
     log.info("resumed from step %d (epoch %d, offset %d) in %s", start, position["epoch"],
              position["offset"], ckpts.directory)
     return start, state
+
+
+BASE_KEY = "base_model"     # config.json of a LoRA run's checkpoints: {"checkpoint", "weights"} of its base
+
+
+def base_identity(checkpoint_name: str, path: str) -> dict:
+    """What a LoRA run's adapters belong to: model.checkpoint and a hash of its weight files."""
+    return {"checkpoint": checkpoint_name, "weights": hf_files.weights_digest(path)}
+
+
+def refuse_other_base(step: int, saved: dict | None, current: dict | None) -> None:
+    """Adapters trained on one base are meaningless on another: refuse, naming both."""
+    if saved is not None and current is not None and saved["weights"] != current["weights"]:
+        raise config_lib.ConfigError(
+            f"cannot resume from checkpoint {step}: its LoRA adapters were trained on {saved['checkpoint']} "
+            f"(weights {saved['weights']}), but model.checkpoint={current['checkpoint']} has weights "
+            f"{current['weights']}; resume with the base the run started from")
+
+
+def log_lora(encoder, state, base: dict) -> None:
+    spec = encoder.lora
+    trainable = sum(x.size for x in jax.tree.leaves(state.params))
+    frozen = sum(x.size for x in jax.tree.leaves(state.frozen))
+    dtypes = sorted({str(x.dtype) for x in jax.tree.leaves(state.frozen)})
+    log.info("LoRA: rank %d, alpha %g (scale %g), dropout %g, on %s; %s trainable parameters (%.2f%% of %s; "
+             "the base is frozen, stored as %s, weights %s)", spec.rank, spec.alpha, spec.scale, spec.dropout,
+             ",".join(sorted(spec.roles)), f"{trainable:,}", 100 * trainable / max(trainable + frozen, 1),
+             f"{trainable + frozen:,}", "/".join(dtypes), base["weights"])
 
 
 def run(config, workdir: str) -> TrainResult:
@@ -244,7 +277,7 @@ def _run(config, workdir: str) -> TrainResult:
     check_resume_request(workdir, config.resume)
 
     # Data and model: files are read here, before anything compiles.
-    encoder, params, model_path = load_encoder(config.model)
+    encoder, params, model_path = load_encoder(config.model, seed=config.train.seed)
     records = load_training_records(config.data)
     fingerprint = data_fingerprint(records)
     objective = make_objective(config)
@@ -260,12 +293,15 @@ def _run(config, workdir: str) -> TrainResult:
     evaluator.preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []))
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
-        state_lib.abstract_state(params, optimizer, config.train.seed)))
+        state_lib.savable(state_lib.abstract_state(params, optimizer, config.train.seed))))
     state, state_sharding = state_lib.create_sharded_state(params, optimizer, config.train.seed, encoder.module, mesh)
     del params
     train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding)
 
     config_json = json.loads(config.to_json_best_effort())
+    if encoder.lora is not None:
+        config_json[BASE_KEY] = base_identity(config.model.checkpoint, model_path)
+        log_lora(encoder, state, config_json[BASE_KEY])
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
     metrics_log = writers_lib.Writers(workdir, writers_lib.writer_names(config.log.writers), config_json,
                                       enabled=jax.process_index() == 0)
@@ -410,6 +446,7 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
         ckpts.finish()     # the previous save must land before free space means anything (Orbax waits anyway)
     except Exception as e:  # noqa: BLE001 - it failed: say so, with its own message
         raise _save_failed(ckpts, ckpts.pending, e) from e
+    state = state_lib.savable(state)      # LoRA: the adapters and their moments; the base is its own checkpoint
     needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
     if free < needed:
         last = ckpts.complete_steps()

@@ -66,6 +66,7 @@ class BertConfig:
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
     pad_token_id: int = 0
+    lora: Any = None                   # a models.lora.LoraSpec: adapters on the projections it names (not HF's)
 
     def __post_init__(self):
         L.activation(self.hidden_act, source="BertConfig")
@@ -106,7 +107,7 @@ class BertConfig:
         L.activation(d.get("hidden_act", cls.hidden_act), source)
         present = {
             f.name: d[f.name] for f in dataclasses.fields(cls)
-            if f.name in d and d[f.name] is not None
+            if f.name in d and d[f.name] is not None and f.name != "lora"
         }
         try:
             return cls(**_coerce_types(present))
@@ -169,14 +170,14 @@ class BertSelfAttention(nn.Module):
     def __call__(self, x, segment_ids):
         cfg = self.config
         b, t, _ = x.shape
-        kw = dict(use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype)
+        kw = dict(use_bias=True, dtype=self.dtype, param_dtype=self.param_dtype, lora=cfg.lora)
         q, k, v = (
-            L.dense(cfg.hidden_size, name, **kw)(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-            for name in ("query", "key", "value")
+            L.dense(cfg.hidden_size, name, role=role, **kw)(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+            for name, role in (("query", "q"), ("key", "k"), ("value", "v"))
         )
         drop = cfg.attention_probs_dropout_prob
         ctx = attention(q, k, v, segment_ids, dropout=None if self.deterministic or drop == 0.0 else nn.Dropout(drop))
-        return L.dense(cfg.hidden_size, "output", **kw)(ctx.reshape(b, t, cfg.hidden_size))
+        return L.dense(cfg.hidden_size, "output", role="o", **kw)(ctx.reshape(b, t, cfg.hidden_size))
 
 
 class BertLayer(nn.Module):
@@ -200,8 +201,9 @@ class BertLayer(nn.Module):
 
         attn = BertSelfAttention(cfg, self.deterministic, name="attention", **kw)(x, segment_ids)
         x = layer_norm("attention_LayerNorm")(x + dropout(attn))
-        h = L.dense(cfg.intermediate_size, "intermediate", use_bias=True, **kw)(x)
-        h = L.dense(cfg.hidden_size, "output", use_bias=True, **kw)(L.activation(cfg.hidden_act)(h))
+        h = L.dense(cfg.intermediate_size, "intermediate", use_bias=True, lora=cfg.lora, role="up", **kw)(x)
+        h = L.dense(cfg.hidden_size, "output", use_bias=True, lora=cfg.lora, role="down", **kw)(
+            L.activation(cfg.hidden_act)(h))
         return layer_norm("output_LayerNorm")(x + dropout(h))
 
 

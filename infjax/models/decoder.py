@@ -60,6 +60,7 @@ class DecoderConfig:
     attention_dropout: float = 0.0
     rope: L.RopeConfig = L.RopeConfig(theta=500000.0)
     tie_word_embeddings: bool = False  # informational: the LM head is not part of the encoder
+    lora: Any = None                   # a models.lora.LoraSpec: adapters on the projections it names (not HF's)
 
     def __post_init__(self):
         L.activation(self.hidden_act)
@@ -133,10 +134,10 @@ class DecoderAttention(nn.Module):
         ``(context, cache)``), returns ``(output, cache)`` and ignores `segment_ids`."""
         cfg = self.config
         b, t, _ = x.shape
-        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        q = L.dense(cfg.num_attention_heads * cfg.head_dim, "q_proj", use_bias=cfg.qkv_bias, **kw)(x)
-        k = L.dense(cfg.num_key_value_heads * cfg.head_dim, "k_proj", use_bias=cfg.qkv_bias, **kw)(x)
-        v = L.dense(cfg.num_key_value_heads * cfg.head_dim, "v_proj", use_bias=cfg.qkv_bias, **kw)(x)
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, lora=cfg.lora)
+        q = L.dense(cfg.num_attention_heads * cfg.head_dim, "q_proj", use_bias=cfg.qkv_bias, role="q", **kw)(x)
+        k = L.dense(cfg.num_key_value_heads * cfg.head_dim, "k_proj", use_bias=cfg.qkv_bias, role="k", **kw)(x)
+        v = L.dense(cfg.num_key_value_heads * cfg.head_dim, "v_proj", use_bias=cfg.qkv_bias, role="v", **kw)(x)
         q = L.apply_rope(q.reshape(b, t, cfg.num_attention_heads, cfg.head_dim), cos, sin)
         k = L.apply_rope(k.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
         v = v.reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
@@ -145,7 +146,7 @@ class DecoderAttention(nn.Module):
         else:
             drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
             ctx = attention(q, k, v, segment_ids, causal=True, dropout=drop)
-        out = L.dense(cfg.hidden_size, "o_proj", use_bias=False, **kw)(ctx.reshape(b, t, -1).astype(x.dtype))
+        out = L.dense(cfg.hidden_size, "o_proj", use_bias=False, role="o", **kw)(ctx.reshape(b, t, -1).astype(x.dtype))
         return out if cache is None else (out, cache)
 
 
@@ -168,7 +169,7 @@ class DecoderLayer(nn.Module):
             attn, cache = attn
         x = x + attn
         h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
-        x = x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", **kw)(h)
+        x = x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", lora=cfg.lora, **kw)(h)
         return x if cache is None else (x, cache)
 
 

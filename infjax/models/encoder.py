@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import attention, interaction
+from infjax.models import attention, interaction, lora as lora_lib
 from infjax.models.hf import files as hf_files
+from infjax.models.hf.names import abstract_params
 from infjax.models.pooling import l2_normalize, pool, pool_packed
 from infjax.models.registry import Family, by_model_type
 
@@ -31,6 +32,17 @@ class Encoder:
     pooling: str               # mean | cls | last
     padding_side: str = "right"   # decoders pad on the left and pool the last token
     family: str = "bert"       # its models.registry entry (partition rules, export)
+    backbone_dropout: bool = True  # with a dropout key, the checkpoint's own dropout applies (LoRA's always does)
+
+    @property
+    def lora(self) -> "lora_lib.LoraSpec | None":
+        """The adapters' spec (models/lora.py), or None: the backbone trains whole."""
+        return getattr(self.module.config, "lora", None)
+
+    def without_lora(self) -> "Encoder":
+        """The same encoder without adapters (for parameters whose adapters `lora.merge` folded in)."""
+        return dataclasses.replace(self, module=self.module.clone(
+            config=dataclasses.replace(self.module.config, lora=None)))
 
     def with_activation_sharding(self, sharding) -> "Encoder":
         """The same encoder with its backbone's between-layer activations held at `sharding`."""
@@ -50,8 +62,9 @@ class Encoder:
         """Float32 token states [N, L, H] of token ids [N, L] (`mask`: segment ids; `max_segments`: at most
         this many texts in a row, None: L)."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
+        deterministic = dropout_rng is None or not self.backbone_dropout
         with attention.options(getattr(self.module, "activation_sharding", None), max_segments):
-            out = self.module.apply({"params": params}, ids, mask, deterministic=dropout_rng is None, rngs=rngs)
+            out = self.module.apply({"params": params}, ids, mask, deterministic=deterministic, rngs=rngs)
         return out.astype(jnp.float32)
 
     def __call__(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
@@ -109,20 +122,50 @@ class LoadedEncoder(NamedTuple):
     path: str                          # the local checkpoint folder
 
 
-def load_encoder(model_config, weights: bool = True) -> LoadedEncoder:
+def lora_spec(model_config, family: Family) -> lora_lib.LoraSpec | None:
+    """`config.model.lora` for `family` (None when rank is 0 or the config predates LoRA); a target the family
+    does not have is a ConfigError naming the key."""
+    c = model_config.get("lora")
+    if c is None or not c.get("rank", 0):
+        return None
+    try:
+        roles = lora_lib.resolve_roles(c.get("targets", "all"), family.lora_roles, family.name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return lora_lib.LoraSpec(int(c.rank), float(c.alpha), float(c.get("dropout", 0.0)), roles)
+
+
+def base_dtype(model_config) -> jnp.dtype:
+    """The storage dtype of the frozen base weights under LoRA: model.lora.base_dtype, "auto" = model.dtype."""
+    name = model_config.lora.get("base_dtype", "auto")
+    return DTYPES[model_config.dtype if name == "auto" else name]
+
+
+def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEncoder:
     """The encoder, its params and its local checkpoint folder for the `config.model` section.
 
     Without `weights` nothing but config.json is read: the params are ShapeDtypeStructs of the same
-    tree (what restoring a run's checkpoint needs)."""
+    tree (what restoring a run's checkpoint needs). With LoRA (`model.lora.rank` > 0) the towers' trees
+    also hold fresh adapters (drawn from `seed`; B = 0, so the model starts as the checkpoint) and the base
+    weights are stored in `base_dtype`; `models.lora.split` separates what trains from what does not."""
     path = checkpoint_path(model_config.checkpoint)
     family = detect_family(path, model_config.get("family", "auto"))
+    spec = lora_spec(model_config, family)
     module, backbone, hf_config, path = family.load(path, dtype=DTYPES[model_config.dtype],
                                                     remat=bool(model_config.get("remat", False)),
                                                     scan_layers=bool(model_config.get("scan_layers", False)),
-                                                    weights=weights)
+                                                    weights=weights, lora=spec)
     copy = (lambda x: x.copy()) if weights else (lambda x: x)
-    params = {"shared": backbone} if model_config.shared_encoder else \
-        {"query": backbone, "passage": jax.tree.map(copy, backbone)}
+    if spec is not None:      # the towers share one frozen base (lora.split keeps one); each gets its adapters
+        backbone = lora_lib.cast_floating(backbone, base_dtype(model_config))
+        abstract = abstract_params(module)
+        towers = ("shared",) if model_config.shared_encoder else ("query", "passage")
+        make = (lambda i: lora_lib.init_adapters(abstract, jax.random.fold_in(jax.random.key(seed), i))) if weights \
+            else (lambda i: lora_lib.adapters_of(abstract))
+        params = {t: lora_lib.union(backbone, make(i)) for i, t in enumerate(towers)}
+    else:
+        params = {"shared": backbone} if model_config.shared_encoder else \
+            {"query": backbone, "passage": jax.tree.map(copy, backbone)}
     if model_config.get("interaction", "concat") == "cross_attention":
         hidden = int(hf_config["hidden_size"])
         params["interaction"] = interaction.init_head(hidden) if weights else interaction.abstract_head(hidden)

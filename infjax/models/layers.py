@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infjax.models.lora import LoraDense, LoraSpec
+
 
 def gelu_erf(x: jax.Array) -> jax.Array:
     """The exact GELU as torch computes it, ``x/2 * (1 + erf(x/sqrt(2)))``. ``jax.nn.gelu(approximate=False)``
@@ -58,10 +60,14 @@ def activation(name: str, source: str = "config.json", key: str = "hidden_act") 
 
 
 def dense(features: int, name: str, *, use_bias: bool, dtype: Any, param_dtype: Any,
-          std: float = 0.02) -> nn.Dense:
-    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]."""
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                    kernel_init=nn.initializers.normal(stddev=std), name=name)
+          std: float = 0.02, lora: LoraSpec | None = None, role: str | None = None) -> nn.Dense:
+    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]. With a `lora` spec
+    that names its `role` (q, k, v, o, gate, up, down, or a fused qkv / gate_up), it carries an adapter."""
+    kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+              kernel_init=nn.initializers.normal(stddev=std), name=name)
+    if lora is not None and lora.applies(role):
+        return LoraDense(features, lora=lora, **kw)
+    return nn.Dense(features, **kw)
 
 
 class RMSNorm(nn.Module):
@@ -192,13 +198,14 @@ class GatedMLP(nn.Module):
     act: str = "silu"
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    lora: LoraSpec | None = None       # adapters on the roles gate, up, down it names
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-        h = gated(ACTIVATIONS[self.act], dense(self.intermediate_size, "gate_proj", **kw)(x),
-                  dense(self.intermediate_size, "up_proj", **kw)(x))
-        return dense(x.shape[-1], "down_proj", **kw)(h)
+        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, lora=self.lora)
+        h = gated(ACTIVATIONS[self.act], dense(self.intermediate_size, "gate_proj", role="gate", **kw)(x),
+                  dense(self.intermediate_size, "up_proj", role="up", **kw)(x))
+        return dense(x.shape[-1], "down_proj", role="down", **kw)(h)
 
 
 # --------------------------------------------------------------------------

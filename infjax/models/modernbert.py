@@ -60,6 +60,7 @@ class ModernBertConfig:
     embedding_dropout: float = 0.0
     attention_dropout: float = 0.0       # on the attention probabilities and after Wo
     mlp_dropout: float = 0.0
+    lora: Any = None                     # a models.lora.LoraSpec: adapters on the projections it names (not HF's)
 
     def __post_init__(self):
         L.activation(self.hidden_activation, key="hidden_activation")
@@ -155,14 +156,14 @@ class ModernBertAttention(nn.Module):
     def __call__(self, x, cos, sin, segment_ids, window):
         cfg = self.config
         b, t, _ = x.shape
-        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-        qkv = L.dense(3 * cfg.hidden_size, "Wqkv", **kw)(x).reshape(b, t, 3, cfg.num_attention_heads, cfg.head_dim)
+        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, lora=cfg.lora)
+        qkv = L.dense(3 * cfg.hidden_size, "Wqkv", role="qkv", **kw)(x).reshape(b, t, 3, cfg.num_attention_heads, cfg.head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
         train_drop = not self.deterministic and cfg.attention_dropout > 0.0
         ctx = attention(q, k, v, segment_ids, window=window,
                         dropout=nn.Dropout(cfg.attention_dropout) if train_drop else None)
-        out = L.dense(cfg.hidden_size, "Wo", **kw)(ctx.reshape(b, t, cfg.hidden_size))
+        out = L.dense(cfg.hidden_size, "Wo", role="o", **kw)(ctx.reshape(b, t, cfg.hidden_size))
         return nn.Dropout(cfg.attention_dropout)(out, deterministic=self.deterministic)
 
 
@@ -177,11 +178,11 @@ class ModernBertMLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
-        a, gate = jnp.split(L.dense(2 * cfg.intermediate_size, "Wi", **kw)(x), 2, axis=-1)
+        kw = dict(use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, lora=cfg.lora)
+        a, gate = jnp.split(L.dense(2 * cfg.intermediate_size, "Wi", role="gate_up", **kw)(x), 2, axis=-1)
         h = L.gated(L.ACTIVATIONS[cfg.hidden_activation], a, gate)
         h = nn.Dropout(cfg.mlp_dropout)(h, deterministic=self.deterministic)
-        return L.dense(cfg.hidden_size, "Wo", **kw)(h)
+        return L.dense(cfg.hidden_size, "Wo", role="down", **kw)(h)
 
 
 class ModernBertLayer(nn.Module):

@@ -47,6 +47,8 @@ class Family:
     default_pooling: str               # what model.pooling=auto and an HF folder without a choice use
     # ordered (regex over "a/b/kernel" paths, spec of the trailing dims): the first match shards a parameter
     partition_rules: tuple[tuple[str, P], ...]
+    # what its Linear layers are to LoRA (models/lora.py): q, k, v, o, gate, up, down, or fused qkv / gate_up
+    lora_roles: tuple[str, ...] = ()
 
     @property
     def module(self) -> type:
@@ -54,12 +56,13 @@ class Family:
         return self.names.module
 
     def load(self, name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
-             weights: bool = True) -> Loaded:
+             weights: bool = True, lora: Any = None) -> Loaded:
         """Resolve, read and map a checkpoint of this family: ``(module, params, hf_config_dict, path)``.
 
         ``module`` computes in ``dtype``; ``params`` are host float32 arrays, stacked under ``layers``
         with ``scan_layers``. Without ``weights`` only config.json is read and ``params`` are the tree's
-        ShapeDtypeStructs.
+        ShapeDtypeStructs. With a ``lora`` spec (models/lora.py) the module carries adapters where it
+        says; ``params`` are still the checkpoint's (the adapters are made by the caller).
         """
         path = hf_files.resolve_checkpoint(name_or_path)
         hf_config = hf_files.load_hf_config(path)
@@ -68,9 +71,10 @@ class Family:
         if model_type not in self.model_types:
             raise ValueError(f"{source}: model_type={model_type!r}, expected {' or '.join(map(repr, self.model_types))}")
         config = self.config.from_hf_dict(hf_config, source=source)
-        module = self.module(config, dtype=dtype, remat=remat, scan_layers=scan_layers)
+        module = self.module(dataclasses.replace(config, lora=lora), dtype=dtype, remat=remat, scan_layers=scan_layers)
         if not weights:
-            return Loaded(module, abstract_params(module), hf_config, path)
+            return Loaded(module, abstract_params(self.module(config, remat=remat, scan_layers=scan_layers)),
+                          hf_config, path)
         params = self.names.from_hf(hf_files.read_safetensors(path), config, scan_layers)
         return Loaded(module, params, hf_config, path)
 
@@ -108,14 +112,17 @@ DECODER_RULES = (
     (r"norm/scale$", REPLICATED),
 )
 
+DECODER_ROLES = ("q", "k", "v", "o", "gate", "up", "down")
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("bert", ("bert",), bert.BertConfig, bert.HF_NAMES, "BertModel", "right", "mean", BERT_RULES),
+    Family("bert", ("bert",), bert.BertConfig, bert.HF_NAMES, "BertModel", "right", "mean", BERT_RULES,
+           ("q", "k", "v", "o", "up", "down")),
     Family("modernbert", ("modernbert",), modernbert.ModernBertConfig, modernbert.HF_NAMES, "ModernBertModel",
-           "right", "mean", MODERNBERT_RULES),
+           "right", "mean", MODERNBERT_RULES, ("qkv", "o", "gate_up", "down")),
     Family("llama", ("llama",), decoder.DecoderConfig, decoder.HF_NAMES, "LlamaModel", "left", "last",
-           DECODER_RULES),
+           DECODER_RULES, DECODER_ROLES),
     Family("qwen2", ("qwen2",), decoder.DecoderConfig, decoder.HF_NAMES, "Qwen2Model", "left", "last",
-           DECODER_RULES),
+           DECODER_RULES, DECODER_ROLES),
 )}
 
 

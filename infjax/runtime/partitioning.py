@@ -23,8 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from infjax.errors import UserError
 from infjax.models import registry
 
-# Shared by every family: the Interaction II head (three d x d matrices) is small and replicated.
-HEAD_RULES = ((r"^interaction/", P()),)
+# Shared by every family: the Interaction II head (three d x d matrices) and LoRA's adapters (A [in, r],
+# B [r, out]: a few MB per layer) are small and replicated.
+HEAD_RULES = ((r"^interaction/", P()), (r"/lora_[ab]$", P()))
 
 
 class NoRuleError(UserError, ValueError):

@@ -9,7 +9,9 @@ import ml_collections
 import numpy as np
 
 from infjax.errors import UserError
+from infjax.models import lora as lora_lib
 from infjax.models.encoder import Encoder, load_encoder
+from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, mesh as mesh_lib, partitioning, storage
 
 
@@ -20,6 +22,10 @@ class RunModel:
     params: dict                        # {"shared": tree} or {"query": tree, "passage": tree}
     base_path: str                      # the HF folder the run started from (tokenizer, config.json)
     step: int
+    # LoRA runs: `params` have the adapters merged into the base (and `encoder` has none); these are the
+    # adapters as trained (+ the interaction head) and their spec, for an adapter-only export
+    adapters: dict | None = None
+    lora: lora_lib.LoraSpec | None = None
 
 
 class NonFiniteParams(UserError):
@@ -62,7 +68,10 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     weights); the optimizer moments are not read. The parameters land on `mesh` (default: all devices on
     the data axis) laid out by the family's partition rules, or, with `on_host`, as host numpy arrays
     (what export writes from: nothing on devices). `dtype` (e.g. "bfloat16") casts floating parameters
-    while they are read; default: as saved (float32)."""
+    while they are read; default: as saved (float32).
+
+    A LoRA run's checkpoint holds its adapters: they are read, then the base checkpoint's weights (refused if
+    they are not the ones the run trained on), and the model is returned with the adapters merged in."""
     steps = saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
@@ -71,16 +80,54 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
         raise FileNotFoundError(f"{workdir} has no checkpoint for step {step}; saved steps: {steps}")
     ckpts = checkpoint.Checkpoints(workdir, max_to_keep=len(steps) + 1)
     try:
-        config = ml_collections.ConfigDict(ckpts.saved_config(step))
+        saved_config = ckpts.saved_config(step)
+        config = ml_collections.ConfigDict({k: v for k, v in saved_config.items() if k != "base_model"})
         encoder, abstract, base_path = load_encoder(config.model, weights=False)
-        if dtype is not None:
-            abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype))
-                                    if jnp.issubdtype(x.dtype, jnp.floating) else x, abstract)
-        if not on_host:
-            abstract = checkpoint.abstract_like(abstract, partitioning.param_shardings(
-                abstract, encoder.module, mesh or mesh_lib.default_mesh()))
-        params = ckpts.restore_params(step, abstract, on_host=on_host)
+        if encoder.lora is not None:           # a LoRA run saved its adapters (+ head): the base is read later
+            params = ckpts.restore_params(step, lora_lib.split(abstract)[0], on_host=True)
+        else:
+            if dtype is not None:
+                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype))
+                                        if jnp.issubdtype(x.dtype, jnp.floating) else x, abstract)
+            if not on_host:
+                abstract = checkpoint.abstract_like(abstract, partitioning.param_shardings(
+                    abstract, encoder.module, mesh or mesh_lib.default_mesh()))
+            params = ckpts.restore_params(step, abstract, on_host=on_host)
     finally:
         ckpts.close()
     check_finite(params, f"{workdir} step {step}")
+    if encoder.lora is not None:
+        return _merged_run(workdir, config, saved_config.get("base_model"), encoder, params, step, mesh, on_host,
+                           dtype)
     return RunModel(config, encoder, params, base_path, step)
+
+
+class BaseChanged(UserError):
+    """A LoRA run's base checkpoint no longer holds the weights its adapters were trained on."""
+
+
+def _merged_run(workdir: str, config, base: dict | None, encoder: Encoder, adapters: dict, step: int, mesh,
+                on_host: bool, dtype: str | None) -> RunModel:
+    """A LoRA run as a plain model: the base checkpoint's weights (float32, checked against the hash the run
+    saved) with the adapters folded in (`lora.merge`)."""
+    model = ml_collections.ConfigDict(config.model.to_dict())
+    model.lora.base_dtype = "float32"
+    _, loaded, base_path = load_encoder(model, weights=True)
+    if base is not None:
+        weights = hf_files.weights_digest(base_path)
+        if weights != base["weights"]:
+            raise BaseChanged(f"{workdir}: its LoRA adapters were trained on {base['checkpoint']} (weights "
+                              f"{base['weights']}), but {base_path} now holds weights {weights}; restore that "
+                              f"checkpoint to use this run")
+    spec = encoder.lora
+    whole = lora_lib.combine(adapters, lora_lib.split(loaded)[1])
+    params = {k: (lora_lib.merge(v, spec) if k in lora_lib.TOWERS else v) for k, v in whole.items()}
+    del loaded, whole
+    plain = encoder.without_lora()
+    if dtype is not None:
+        params = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype))
+                              if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    if not on_host:
+        params = mesh_lib.put(params, partitioning.param_shardings(params, plain.module,
+                                                                   mesh or mesh_lib.default_mesh()))
+    return RunModel(config, plain, params, base_path, step, adapters=adapters, lora=spec)

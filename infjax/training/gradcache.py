@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from infjax import losses
+from infjax.models import lora
 from infjax.models.encoder import Encoder
 from infjax.training import embed
 from infjax.runtime.mesh import BATCH_AXES
@@ -68,9 +69,11 @@ def _chunk_keys(key, n_chunks: int):
 
 def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int, dropout: bool = False,
                  mesh: Mesh | None = None):
-    """grad_fn(params, batch, rng) -> ((loss, metrics), grads), like value_and_grad of the plain loss."""
+    """grad_fn(params, batch, rng, frozen={}) -> ((loss, metrics), grads), like value_and_grad of the plain loss
+    (`frozen`: LoRA's base weights, which complete the model and are not differentiated)."""
 
-    def grad_fn(params, batch, rng):
+    def grad_fn(params, batch, rng, frozen=None):
+        frozen = frozen or {}
         keys = list(jax.random.split(rng, 3)) if dropout and rng is not None else [None] * 3
         calls = embed.encoder_calls(encoder, batch)
         chunked = {}
@@ -88,12 +91,12 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
             chunked[name] = (fn, ids, mask, _chunk_keys(keys[k], n_chunks), n_chunks)
 
         # 1. All outputs, chunk by chunk, with no activations kept.
-        frozen = jax.lax.stop_gradient(params)
+        constant = lora.combine(jax.lax.stop_gradient(params), frozen)
         outputs = {}
         for name, (fn, ids, mask, ks, _) in chunked.items():
             def encode(xs, fn=fn):
                 i, m, key = xs
-                return fn(frozen, i, m, key)
+                return fn(constant, i, m, key)
             outputs[name] = from_chunks(jax.lax.map(encode, (ids, mask, ks)), mesh)
 
         # 2. The loss on the whole global batch; gradients w.r.t. the outputs (and the head).
@@ -110,7 +113,7 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
 
             def accumulate(acc, xs, fn=fn):
                 i, m, key, c = xs
-                _, pull = jax.vjp(lambda p: fn(p, i, m, key), params)
+                _, pull = jax.vjp(lambda p: fn(lora.combine(p, frozen), i, m, key), params)
                 return jax.tree.map(jnp.add, acc, pull(c)[0]), None
 
             grads, _ = jax.lax.scan(accumulate, grads, (ids, mask, ks, cot))

@@ -194,6 +194,10 @@ def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, s
     The encoder's activations keep their rows split over the batch axes layer by layer (see
     `layers.run_layers`), so fsdp gathers kernels rather than every device encoding every row."""
     encoder = encoder.with_activation_sharding(mesh_lib.batch_sharding(mesh))
+    # A dropout key goes to the encoder when the backbone's dropout or LoRA's applies; the backbone's own
+    # dropout layers follow model.dropout either way.
+    encoder = dataclasses.replace(encoder, backbone_dropout=bool(config.model.dropout))
+    dropout = bool(config.model.dropout) or bool(encoder.lora and encoder.lora.dropout > 0)
     return step_lib.jit_train_step(
-        step_lib.make_train_step(encoder, objective, optimizer, schedule, config.model.dropout,
+        step_lib.make_train_step(encoder, objective, optimizer, schedule, dropout,
                                  config.train.chunk_size, mesh), mesh, state_sharding)

@@ -1,5 +1,10 @@
 """Train state, optimizer, learning-rate schedule (docs/method.md §4) and the state's shardings.
 
+LoRA (models/lora.py): `params` are what trains (the adapters and the Interaction II head) and `frozen`
+holds the base weights, which the step reads and never updates; gradients and AdamW moments exist for
+`params` only. Without LoRA everything is in `params` and `frozen` is empty. Checkpoints hold the state
+without `frozen` (`savable`): the base is the checkpoint the run started from.
+
 Mixed precision: parameters (the master weights), gradients and the loss are float32;
 `config.model.dtype` only sets the encoders' compute dtype. `train.moments_dtype="bfloat16"`
 stores AdamW's first moment (mu) in bfloat16 (optax's `mu_dtype`); the second moment (nu) stays
@@ -14,6 +19,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from infjax.models import lora
 from infjax.runtime import partitioning
 from infjax.runtime.mesh import put
 
@@ -26,6 +32,17 @@ class TrainState(struct.PyTreeNode):
     opt_state: optax.OptState
     rng: jax.Array          # root key; the step's key is fold_in(rng, step)
     skipped: jax.Array      # steps whose update was dropped for a non-finite loss or gradient
+    frozen: dict = struct.field(default_factory=dict)   # LoRA: {"backbone": base weights}; else {}
+
+    @property
+    def model_params(self) -> dict:
+        """The model's whole tree ({"shared": ...} or {"query", "passage"}, + "interaction")."""
+        return lora.combine(self.params, self.frozen)
+
+
+def savable(state: TrainState) -> TrainState:
+    """What a checkpoint holds: the state without the frozen base."""
+    return state.replace(frozen={})
 
 
 def learning_rate_schedule(peak: float, total_steps: int, warmup_steps: int = 0) -> optax.Schedule:
@@ -48,8 +65,11 @@ def make_optimizer(train_config, total_steps: int) -> tuple[optax.GradientTransf
 
 
 def create_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      rng=jax.random.key_data(jax.random.key(seed)), skipped=jnp.zeros((), jnp.int32))
+    """The state at step 0 of a model tree: with adapters in it, only they (and the head) train."""
+    trainable, frozen = lora.split(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=trainable, opt_state=optimizer.init(trainable),
+                      rng=jax.random.key_data(jax.random.key(seed)), skipped=jnp.zeros((), jnp.int32),
+                      frozen=frozen)
 
 
 def abstract_state(params, optimizer: optax.GradientTransformation, seed: int = 0) -> TrainState:
@@ -63,7 +83,8 @@ def state_shardings(abstract: TrainState, module, mesh: Mesh) -> TrainState:
     repl = NamedSharding(mesh, P())
     params = partitioning.param_shardings(abstract.params, module, mesh)
     opt = partitioning.like_params(abstract.opt_state, abstract.params, params, repl)
-    return TrainState(step=repl, params=params, opt_state=opt, rng=repl, skipped=repl)
+    return TrainState(step=repl, params=params, opt_state=opt, rng=repl, skipped=repl,
+                      frozen=partitioning.param_shardings(abstract.frozen, module, mesh))
 
 
 def create_sharded_state(params, optimizer: optax.GradientTransformation, seed: int, module, mesh: Mesh):
@@ -71,6 +92,7 @@ def create_sharded_state(params, optimizer: optax.GradientTransformation, seed: 
     sharded by one jitted init with `out_shardings`."""
     abstract = abstract_state(params, optimizer, seed)
     shardings = state_shardings(abstract, module, mesh)
-    create = jax.jit(lambda p: create_state(p, optimizer, seed), in_shardings=(shardings.params,),
-                     out_shardings=shardings, donate_argnums=0)
-    return create(put(params, shardings.params)), shardings
+    trainable, frozen = lora.split(params)        # on the host: a base shared by two towers is placed once
+    create = jax.jit(lambda t, f: create_state(lora.combine(t, f), optimizer, seed),
+                     in_shardings=(shardings.params, shardings.frozen), out_shardings=shardings, donate_argnums=(0, 1))
+    return create(put(trainable, shardings.params), put(frozen, shardings.frozen)), shardings

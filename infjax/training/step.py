@@ -7,6 +7,7 @@ import optax
 from jax.sharding import Mesh
 
 from infjax import losses
+from infjax.models import lora
 from infjax.models.encoder import Encoder
 from infjax.training import embed, gradcache
 from infjax.runtime import cpu as runtime_cpu
@@ -20,11 +21,16 @@ def _all_finite(tree) -> jax.Array:
 
 def make_grad_fn(encoder: Encoder, objective: losses.Objective, dropout: bool = False, chunk_size: int = 0,
                  mesh: Mesh | None = None):
-    """grad_fn(params, batch, rng) -> ((loss, metrics), grads): plain autodiff, or gradient caching
-    (`chunk_size` rows per encoder pass, see `gradcache`) when chunk_size > 0."""
+    """grad_fn(params, batch, rng, frozen={}) -> ((loss, metrics), grads w.r.t. params): plain autodiff, or
+    gradient caching (`chunk_size` rows per encoder pass, see `gradcache`) when chunk_size > 0. `frozen`
+    (LoRA's base weights, `TrainState.frozen`) completes the model and is never differentiated."""
     if chunk_size > 0:
         return gradcache.make_grad_fn(encoder, objective, chunk_size, dropout, mesh)
-    return jax.value_and_grad(embed.make_loss_fn(encoder, objective, dropout), has_aux=True)
+    loss_fn = embed.make_loss_fn(encoder, objective, dropout)
+
+    def grad_fn(params, batch, rng, frozen=None):
+        return jax.value_and_grad(lambda p: loss_fn(lora.combine(p, frozen or {}), batch, rng), has_aux=True)(params)
+    return grad_fn
 
 
 def make_train_step(encoder: Encoder, objective: losses.Objective, optimizer: optax.GradientTransformation,
@@ -33,7 +39,7 @@ def make_train_step(encoder: Encoder, objective: losses.Objective, optimizer: op
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        (loss, metrics), grads = grad_fn(state.params, batch, rng)
+        (loss, metrics), grads = grad_fn(state.params, batch, rng, state.frozen)
         grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

