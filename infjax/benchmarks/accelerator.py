@@ -46,10 +46,9 @@ import numpy as np
 from absl import flags
 
 from infjax import cli, config as config_lib
-from infjax.benchmarks import train as bench_train
+from infjax.benchmarks import shapes, train as bench_train
 from infjax.data.batches import real_tokens
 from infjax.models import attention, kernels
-from infjax.models.hf import files as hf_files
 from infjax.runtime import cpu as runtime_cpu, platform
 from infjax.training import state as state_lib
 
@@ -81,21 +80,6 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
 # other (relative to the loss, about log(batch) ~ 2-4) -- a broken kernel or cast gives NaN or losses that differ
 # by tens of percent. Pass: every step's |bf16 - f32| <= max(NUMERICS_REL * |f32|, NUMERICS_ABS).
 NUMERICS_REL, NUMERICS_ABS = 0.05, 0.05
-
-# Tokenizer files copied next to a generated config.json (the embedded MiniLM's BERT wordpiece tokenizer: ids
-# below 30522, so it serves every vocabulary at least that large).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json")
-WORDPIECE_VOCAB = 635      # see write_tokenizer
-
-BERT_BASE = dict(model_type="bert", architectures=["BertModel"], hidden_size=768, num_hidden_layers=12,
-                 num_attention_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512,
-                 type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12, hidden_dropout_prob=0.1,
-                 attention_probs_dropout_prob=0.1, pad_token_id=0)
-QWEN25_15B = dict(model_type="qwen2", architectures=["Qwen2Model"], hidden_size=1536, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
-                  max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                  hidden_act="silu", pad_token_id=0)
-
 
 def _tiny(base: dict, hidden: int, layers: int, heads: int, kv: int | None, intermediate: int) -> dict:
     out = dict(base, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -211,50 +195,6 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- runs
 
-def checkpoint_folder(hf_config: dict, root: str) -> str:
-    """A checkpoint folder with `hf_config` as config.json and a BERT WordPiece tokenizer (`tokenizer_source`; no
-    weights: load it with weights=False and fill the params with `random_params`)."""
-    folder = tempfile.mkdtemp(prefix=f"{hf_config['model_type']}_", dir=root)
-    tokenizer = os.path.join(root, "tokenizer")
-    if not os.path.isdir(tokenizer):
-        write_tokenizer(tokenizer)
-    for name in os.listdir(tokenizer):
-        shutil.copy(os.path.join(tokenizer, name), folder)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf_config, f)
-    return folder
-
-
-def tokenizer_source() -> str:
-    """The embedded MiniLM's tokenizer when its package is installed, else one trained here (the ~90 MB
-    package is not needed on an accelerator machine to measure)."""
-    try:
-        hf_files.embedded_minilm_path()
-        return "all-MiniLM-L6-v2"
-    except Exception:   # noqa: BLE001 - not installed
-        return "wordpiece trained on the benchmark's vocabulary"
-
-
-def write_tokenizer(folder: str) -> None:
-    """`tokenizer_source()` into `folder`. The trained one (WordPiece, `WORDPIECE_VOCAB` pieces) is sized so that
-    the benchmark's texts get the token counts MiniLM gives them (within 3%), so the shapes stay the paper's."""
-    os.makedirs(folder)
-    if tokenizer_source() == "all-MiniLM-L6-v2":
-        src = hf_files.embedded_minilm_path()
-        for name in TOKENIZER_FILES:
-            shutil.copy(os.path.join(src, name), folder)
-        return
-    import transformers
-    from tokenizers import BertWordPieceTokenizer
-
-    texts = [r[k] for r in bench_train.inf_ir_shaped_records(200, seed=7) for k in ("query_positive",
-                                                                                  "instruction_positive",
-                                                                                  "document_positive")]
-    tok = BertWordPieceTokenizer(lowercase=True)
-    tok.train_from_iterator(texts, vocab_size=WORDPIECE_VOCAB, min_frequency=1, show_progress=False)
-    transformers.BertTokenizerFast(tokenizer_object=tok._tokenizer, do_lower_case=True).save_pretrained(folder)
-
-
 def random_params(abstract, shardings, seed: int = 0):
     """Parameters of the tree `abstract` drawn on the devices: norm scales 1, biases 0, the rest N(0, 0.02^2)."""
     paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
@@ -340,14 +280,14 @@ def numerics_section(reduced: bool, root: str) -> dict:
         steps, hidden, inter, layers, batch, lens = 5, 64, 128, 2, 4, (32, 64)
     else:
         steps, hidden, inter, layers, batch, lens = 30, 128, 256, 3, 8, (64, 128)
-    models = {"bert": _tiny(BERT_BASE, hidden, layers, 4, None, inter),
-              "qwen2": _tiny(QWEN25_15B, hidden, layers, 4, 2, inter)}
-    records = bench_train.inf_ir_shaped_records(batch * steps, seed=1)
+    models = {"bert": _tiny(shapes.BERT_BASE, hidden, layers, 4, None, inter),
+              "qwen2": _tiny(shapes.QWEN25_15B, hidden, layers, 4, 2, inter)}
+    records = shapes.inf_ir_shaped_records(batch * steps, seed=1)
     out = {"steps": steps, "rows_per_step": 3 * batch, "max_len": list(lens),
            "tolerance": {"relative": NUMERICS_REL, "absolute": NUMERICS_ABS}}
     for name, hf_config in models.items():
         try:
-            folder = checkpoint_folder(hf_config, root)
+            folder = shapes.checkpoint_folder(hf_config, root)
             curves, skipped, params = {}, {}, None
             for dtype in ("float32", "bfloat16"):
                 config = run_config(folder, dtype, *lens, batch, steps, name == "qwen2", learning_rate=1e-4)
@@ -380,7 +320,7 @@ def numerics_section(reduced: bool, root: str) -> dict:
 
 # ----------------------------------------------------------------------------------------------- scale
 
-SCALE_MODELS = {"bert-base": (BERT_BASE, False), "qwen2.5-1.5b": (QWEN25_15B, True)}
+SCALE_MODELS = {"bert-base": (shapes.BERT_BASE, False), "qwen2.5-1.5b": (shapes.QWEN25_15B, True)}
 SCALE_LENS = (256, 512)
 SCALE_BATCH = 32          # the paper's records per batch; 3 rows each with hard negatives
 SCALE_WARMUP, SCALE_STEPS = 2, 8
@@ -393,10 +333,10 @@ def _peak_memory() -> int | None:
 
 def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
     """(figures, the rows of each step as [queries, passages]) of one shape."""
-    folder = checkpoint_folder(hf_config, root)
+    folder = shapes.checkpoint_folder(hf_config, root)
     n = SCALE_WARMUP + SCALE_STEPS
     config = run_config(folder, "bfloat16", *SCALE_LENS, SCALE_BATCH, n, decoder)
-    records = bench_train.inf_ir_shaped_records(max(4 * SCALE_BATCH * n, 256))
+    records = shapes.inf_ir_shaped_records(max(4 * SCALE_BATCH * n, 256))
     with captured_choices() as choices:
         run = Run(config, records)
         batches = run.batches(n)
@@ -605,7 +545,7 @@ def main(argv: list[str]) -> None:
               "device": platform.describe(), "platform": kernels.platform(),
               "form": "reduced" if reduced else "full",
               "jax_memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-              "tokenizer": tokenizer_source(), "sections": {}}
+              "tokenizer": shapes.tokenizer_source(), "sections": {}}
     sections = report["sections"]
     print(f"infjax accelerator check: {report['device']}, {report['form']} form")
     root = tempfile.mkdtemp(prefix="infjax_accelerator_")
@@ -659,7 +599,7 @@ def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None
             vs[name] = {"skipped": "the infjax run of this shape failed"}
             continue
         try:
-            t = torch_in_child(texts, hf_config, checkpoint_folder(hf_config, root), decoder)
+            t = torch_in_child(texts, hf_config, shapes.checkpoint_folder(hf_config, root), decoder)
             if "error" in t:
                 vs[name] = t
                 continue

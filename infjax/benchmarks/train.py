@@ -26,6 +26,8 @@ memory from `compiled.memory_analysis()` (arguments + temporaries).
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 
 import jax
@@ -33,9 +35,9 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from infjax import cli, config as config_lib
-from infjax.benchmarks import torch_loop
-from infjax.data import synthetic
+from infjax import cli, config as config_lib, errors
+from infjax.benchmarks import shapes as bench_shapes, torch_loop
+from infjax.benchmarks.shapes import inf_ir_shaped_records
 from infjax.data.batches import real_tokens
 from infjax.models.encoder import load_encoder
 from infjax.runtime import cpu as runtime_cpu, mesh as mesh_lib, platform
@@ -73,6 +75,18 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_bool("vs_torch", False, "also time a plain PyTorch loop on the same rows (MiniLM)", flag_values=fv)
     flags.DEFINE_bool("compile_only", False, "compile the step for the first batch and print its memory analysis",
                       flag_values=fv)
+    flags.DEFINE_enum("shape", "", ["", *bench_shapes.SHAPES], "with --compile_only or --lora_table: the model is a "
+                      "config.json of these sizes (no weights, no download) instead of config.model.checkpoint",
+                      flag_values=fv)
+    flags.DEFINE_bool("lora_table", False, "compile full fine-tuning and LoRA (rank --lora_rank, frozen base in "
+                      "bfloat16) at the paper's 256/512 tokens, 32 records per device, bfloat16, for --lora_shapes; "
+                      "print trainable parameters, optimizer-state bytes and compiled peak memory per device",
+                      flag_values=fv)
+    flags.DEFINE_bool("vs_full", False, "with model.lora.rank > 0: also time full fine-tuning (rank 0) on the same "
+                      "rows in the same process, and print the ratio", flag_values=fv)
+    flags.DEFINE_integer("lora_rank", 16, "the rank of --lora_table's LoRA rows", flag_values=fv)
+    flags.DEFINE_string("lora_shapes", "qwen2.5-1.5b,qwen2.5-7b", "comma-separated --shape names for --lora_table",
+                        flag_values=fv)
 
 
 def _flags(argv):
@@ -129,29 +143,6 @@ def _leaves(batch: dict):
     """(name, array) of every encoder-input array; packed sides are named like "p/ids"."""
     for path, v in jax.tree_util.tree_flatten_with_path(batch)[0]:
         yield "/".join(str(getattr(k, "key", k)) for k in path), v
-
-
-def inf_ir_shaped_records(n: int, seed: int = 0) -> list[dict]:
-    """n records whose texts have InF-IR msmarco-like lengths in words (~1.3 MiniLM tokens per word).
-
-    query: 4 + Poisson(5) words (~12 tokens); instruction: 12 + Poisson(14) words (~34 tokens), so
-    template(I, Q) is ~45 tokens; passage: lognormal, median 110 words, sigma 0.5 (mean ~125 words,
-    ~165 tokens, a long tail past 256). Words are drawn from the synthetic corpus's vocabulary.
-    """
-    vocab = sorted({w for t in synthetic.TOPICS + synthetic.CONTEXTS + synthetic.QUERY_TEMPLATES
-                    + synthetic.INSTRUCTION_OPENERS for w in str(t).replace("{", " ").replace("}", " ").split()})
-    rng = np.random.default_rng(seed)
-
-    def text(words: int) -> str:
-        return " ".join(rng.choice(vocab, size=max(int(words), 1)))
-
-    def passage() -> str:
-        return text(rng.lognormal(np.log(110), 0.5))
-
-    return [{"query_positive": text(4 + rng.poisson(5)), "query_negative": text(4 + rng.poisson(5)),
-             "instruction_positive": text(12 + rng.poisson(14)), "instruction_negative": text(12 + rng.poisson(14)),
-             "document_positive": passage(), "hard_negative_document_1": passage(),
-             "hard_negative_document_2": passage()} for _ in range(n)]
 
 
 def _shape(batch) -> tuple:
@@ -217,9 +208,78 @@ def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
     return out
 
 
+def with_shape(config, shape: str, root: str):
+    """`config` on a weightless checkpoint folder of the `shape` sizes (bench_shapes.SHAPES); decoders get the
+    decoder presets' last-token pooling, remat and scanned layers."""
+    hf_config, decoder = bench_shapes.SHAPES[shape]
+    overrides = {"model.checkpoint": bench_shapes.checkpoint_folder(hf_config, root), "model.family": "auto"}
+    if decoder:
+        overrides.update({"model.pooling": "last", "model.remat": True, "model.scan_layers": True})
+    return config_lib.override(ml_collections.ConfigDict(config.to_dict()), overrides)
+
+
+def state_memory(config, records) -> dict:
+    """Compile `config`'s step (no weights read or allocated) and report its state and compiled peak memory."""
+    setup = Setup(config, records, weights=False)
+    abstract = setup.abstract
+    size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))                # noqa: E731
+    nbytes = lambda tree: sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+    t0 = time.perf_counter()
+    compiled = setup.compile(setup.batch(0))
+    return {"trainable": size(abstract.params), "frozen": size(abstract.frozen),
+            "trainable_bytes": nbytes(abstract.params), "frozen_bytes": nbytes(abstract.frozen),
+            "optimizer_bytes": nbytes(abstract.opt_state), "peak_bytes_per_device": peak_bytes(compiled),
+            "compile_s": time.perf_counter() - t0, "rows": setup.build.global_rows}
+
+
+def lora_table(config, shapes: list[str], rank: int, root: str) -> list[dict]:
+    """Full fine-tuning vs LoRA (without and with gradient caching) for each shape at 256/512 tokens, 32 records
+    (96 rows) per device, bfloat16 compute."""
+    rows = []
+    chunk_rows = 24 * jax.device_count()         # gradient caching: a quarter of the 96 rows per device at a time
+    for shape in shapes:
+        for r, chunk in ((0, 0), (rank, 0), (rank, chunk_rows)):
+            c = config_lib.override(with_shape(config, shape, root), {
+                "data.query_max_len": 256, "data.passage_max_len": 512, "train.batch_size": 32 * jax.device_count(),
+                "train.steps": 1, "model.dtype": "bfloat16", "model.lora.rank": r, "model.lora.base_dtype": "bfloat16",
+                "train.chunk_size": chunk, "eval.synthetic": False, "eval.canary": ""})
+            records = inf_ir_shaped_records(max(4 * c.train.batch_size, 256))
+            mode = (f"lora r={r}, base bf16" if r else "full fine-tuning") + (f", chunk {chunk}" if chunk else "")
+            rows.append({"shape": shape, "mode": mode, **state_memory(c, records)})
+    return rows
+
+
+def print_lora_table(rows: list[dict], device_bytes: float = 80e9) -> None:
+    gb = lambda b: f"{b / 1e9:.1f} GB"    # noqa: E731
+    print(f"{'model':<14} {'mode':<31} {'trainable':>14} {'frozen base':>12} {'optimizer':>10} "
+          f"{'peak/device':>12}  fits {device_bytes / 1e9:.0f} GB")
+    for r in rows:
+        print(f"{r['shape']:<14} {r['mode']:<31} {r['trainable']:>14,} {gb(r['frozen_bytes']):>12} "
+              f"{gb(r['optimizer_bytes']):>10} {gb(r['peak_bytes_per_device']):>12}  "
+              f"{'yes' if r['peak_bytes_per_device'] <= device_bytes else 'no'}")
+
+
 def main(argv: list[str]) -> None:
     fv = _flags(argv)
     config = fv.config
+    if fv.shape and not (fv.compile_only or fv.lora_table):
+        raise errors.UserError(f"--shape={fv.shape} has no weights: use it with --compile_only or --lora_table")
+    if fv.vs_full and config.model.lora.rank == 0:
+        raise errors.UserError("--vs_full compares a LoRA run with full fine-tuning: set --config.model.lora.rank")
+    if fv.lora_table:
+        unknown = [s for s in fv.lora_shapes.split(",") if s.strip() and s.strip() not in bench_shapes.SHAPES]
+        if unknown or fv.lora_rank < 1:
+            raise errors.UserError(f"--lora_shapes={fv.lora_shapes!r} / --lora_rank={fv.lora_rank}: shapes from "
+                                 f"{list(bench_shapes.SHAPES)}, rank >= 1")
+        root = tempfile.mkdtemp(prefix="infjax_lora_table_")
+        try:
+            print(f"devices: {platform.describe()}; objective {config.objective}; compiled (nothing allocated): "
+                  f"AdamW, 32 records per device at 256/512 tokens, bfloat16 compute")
+            print_lora_table(lora_table(config, [s.strip() for s in fv.lora_shapes.split(",") if s.strip()],
+                                        fv.lora_rank, root))
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return
     print(f"devices: {platform.describe()}; "
           f"model {config.model.checkpoint}, objective {config.objective}, dtype {config.model.dtype}; "
           f"{runtime_cpu.describe()}")
@@ -235,6 +295,9 @@ def main(argv: list[str]) -> None:
     records = inf_ir_shaped_records(max(4 * config.train.batch_size * (fv.warmup + fv.steps), 256)) \
         if fv.data == "inf_ir_shaped" else None
     if fv.compile_only:
+        if fv.shape:
+            root = tempfile.mkdtemp(prefix="infjax_shape_")
+            config = with_shape(config, fv.shape, root)
         setup = Setup(config, records, weights=False)        # shapes only: no weight file is read
         t0 = time.perf_counter()
         compiled = setup.compile(setup.batch(0))
@@ -245,6 +308,12 @@ def main(argv: list[str]) -> None:
         print(f"per device: peak {peak_bytes(compiled) / 2**30:.2f} GiB (arguments {m.argument_size_in_bytes / 2**30:.2f}"
               f", temporaries {m.temp_size_in_bytes / 2**30:.2f}, outputs {m.output_size_in_bytes / 2**30:.2f}, "
               f"aliased {m.alias_size_in_bytes / 2**30:.2f})")
+        leaves = lambda tree: jax.tree.leaves(tree)      # noqa: E731
+        print(f"trainable parameters {sum(x.size for x in leaves(setup.abstract.params)):,}, frozen "
+              f"{sum(x.size for x in leaves(setup.abstract.frozen)):,}; optimizer state "
+              f"{sum(x.size * x.dtype.itemsize for x in leaves(setup.abstract.opt_state)) / 2**30:.2f} GiB")
+        if fv.shape:
+            shutil.rmtree(root, ignore_errors=True)
         return
     r = throughput(config, fv.steps, fv.warmup, fv.peak_flops, records)
     shapes = r["setup"].build.shapes
@@ -261,6 +330,14 @@ def main(argv: list[str]) -> None:
           f"counted); MFU {mfu}; "
           f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device (compiled); process max RSS "
           f"{_max_rss_mib():.0f} MiB")
+    if fv.vs_full:
+        full = throughput(config_lib.override(ml_collections.ConfigDict(config.to_dict()), {"model.lora.rank": 0}),
+                          fv.steps, fv.warmup, fv.peak_flops, records)
+        print(f"full fine-tuning (same rows): step {full['step_s'] * 1e3:.1f} ms (median of {fv.steps})  "
+              f"{full['examples_per_s']:.1f} examples/s; peak memory {full['peak_memory_per_device_bytes'] / 2**20:.1f}"
+              f" MiB per device (compiled)")
+        print(f"steps/s LoRA (rank {config.model.lora.rank}) {1 / r['step_s']:.3f}, full {1 / full['step_s']:.3f}: "
+              f"ratio LoRA / full {full['step_s'] / r['step_s']:.2f}x")
     if fv.vs_torch:
         build = r["setup"].build
         steps = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(fv.warmup + fv.steps)]
