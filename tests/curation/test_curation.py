@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pyarrow.parquet as pq
 import pytest
@@ -286,6 +287,23 @@ def test_a_backend_that_fails_every_request_stops_the_run_and_writes_no_output(b
     assert not [n for n in ("curated.jsonl", "curated.parquet", "report.json") if (tmp_path / "out" / n).exists()]
     store = pipeline.StageFile(str(tmp_path / "out" / "stages" / "instruct.jsonl"))
     assert not any(store.finished(r) for r in store.rows)                       # all asked again by a rerun
+
+
+def test_a_closed_port_stops_the_run_naming_the_endpoint(beir, tmp_path):
+    """Nothing listens at the endpoint: every request is refused at connection, and the run fails (exit 3) naming
+    the endpoint and the error, with no output written as if final."""
+    import socket
+    with socket.socket() as s:                   # a free port, closed again: nobody listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    collection = sources.load(beir, limit=2, seed=0)
+    closed = types.SimpleNamespace(base_url=f"http://127.0.0.1:{port}/v1")
+    with pytest.raises(pipeline.BackendFailed) as e:
+        pipeline.run(context(closed, collection, str(tmp_path / "cache")), str(tmp_path / "out"))
+    message = str(e.value)
+    assert f"the backend failed every request (2 record(s)) at http://127.0.0.1:{port}/v1" in message, message
+    assert "connect" in message.lower() and e.value.exit_code == 3, message
+    assert not [n for n in ("curated.jsonl", "curated.parquet", "report.json") if (tmp_path / "out" / n).exists()]
 
 
 def test_a_changed_setting_is_refused_on_rerun(tmp_path):

@@ -212,12 +212,21 @@ def _cli(*args, timeout=120):
     ("--config=configs/nowhere.py", "--config=configs/nowhere.py: no such config file"),
     ("--config=configs/multi_pi.py:nope", "unknown preset 'nope'"),
 ])
-def test_flag_errors_are_one_line(flag, message):
-    args = ["infjax.train", "--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else \
-        ["infjax.train", flag]
+@pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
+def test_flag_errors_are_one_line(flag, message, command):
+    args = [*command, "--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else [*command, flag]
     code, out = _cli(*args)
     assert code == 2 and message in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
+def test_a_config_file_that_does_not_parse_is_one_line(tmp_path, command):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(arg=None):\n    return {\n")
+    code, out = _cli(*command, f"--config={broken}")
+    assert code == 2 and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1 and f"--config={broken}:" in out and "line 2" in out, out
 
 
 def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path):
