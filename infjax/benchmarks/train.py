@@ -251,11 +251,11 @@ def lora_table(config, shapes: list[str], rank: int, root: str) -> list[dict]:
 
 def print_lora_table(rows: list[dict], device_bytes: float = 80e9) -> None:
     gb = lambda b: f"{b / 1e9:.1f} GB"    # noqa: E731
-    print(f"{'model':<14} {'mode':<31} {'trainable':>14} {'frozen base':>12} {'optimizer':>10} "
+    print(f"{'model':<14} {'mode':<31} {'trainable':>14} {'weights':>9} {'optimizer':>10} "
           f"{'peak/device':>12}  fits {device_bytes / 1e9:.0f} GB")
     for r in rows:
-        print(f"{r['shape']:<14} {r['mode']:<31} {r['trainable']:>14,} {gb(r['frozen_bytes']):>12} "
-              f"{gb(r['optimizer_bytes']):>10} {gb(r['peak_bytes_per_device']):>12}  "
+        weights = r["trainable_bytes"] + r["frozen_bytes"]
+        print(f"{r['shape']:<14} {r['mode']:<31} {r['trainable']:>14,} {gb(weights):>9} {gb(r['optimizer_bytes']):>10} {gb(r['peak_bytes_per_device']):>12}  "
               f"{'yes' if r['peak_bytes_per_device'] <= device_bytes else 'no'}")
 
 
@@ -337,7 +337,8 @@ def main(argv: list[str]) -> None:
               f"{full['examples_per_s']:.1f} examples/s; peak memory {full['peak_memory_per_device_bytes'] / 2**20:.1f}"
               f" MiB per device (compiled)")
         print(f"steps/s LoRA (rank {config.model.lora.rank}) {1 / r['step_s']:.3f}, full {1 / full['step_s']:.3f}: "
-              f"ratio LoRA / full {full['step_s'] / r['step_s']:.2f}x")
+              f"ratio LoRA / full {full['step_s'] / r['step_s']:.2f}x; compiled GFLOP per step LoRA "
+              f"{r['flops_per_step_per_device'] / 1e9:.0f}, full {full['flops_per_step_per_device'] / 1e9:.0f}")
     if fv.vs_torch:
         build = r["setup"].build
         steps = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(fv.warmup + fv.steps)]
