@@ -133,8 +133,8 @@ def test_mteb_scores_equal_infjax_evaluate_through_the_adapter_and_the_export(tr
     adapter = InfjaxMTEBModel(workdir, query_max_len=MAX_LEN, passage_max_len=MAX_LEN, progress=False)
     st = SentenceTransformerEncoderWrapper(exported)                  # MTEB's own loading of an ST folder
     assert st.model.max_seq_length == MAX_LEN
-    for spec in (SYNTHETIC, f"followir:{fixture}"):
-        ref = _infjax_evaluate(workdir, spec, str(tmp_path / "eval"))
+    for i, spec in enumerate((SYNTHETIC, f"followir:{fixture}")):
+        ref = _infjax_evaluate(workdir, spec, str(tmp_path / f"eval{i}"))      # one --out per evaluation
         if spec == SYNTHETIC:               # the export through `infjax.evaluate --dataset=synthetic` as it stands
             assert _infjax_evaluate(exported, "synthetic", str(tmp_path / "eval_export"), []) == pytest.approx(ref)
         for label, model in (("adapter on the run", adapter), ("exported folder", st)):
