@@ -231,7 +231,7 @@ class Checkpoints:
                 state, position = self.restore(step, abstract_state)
             except CheckpointReadError as e:
                 if not fallback:
-                    raise CheckpointReadError(f"{e}\nPass --config.checkpoint.fallback=True to resume from the "
+                    raise CheckpointReadError(f"{e}; pass --config.checkpoint.fallback=True to resume from the "
                                               f"newest readable checkpoint instead.") from e
                 log.warning("%s; trying an older checkpoint", e)
                 errors.append(str(e))
