@@ -87,8 +87,7 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
             params = ckpts.restore_params(step, lora_lib.split(abstract)[0], on_host=True)
         else:
             if dtype is not None:
-                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype))
-                                        if jnp.issubdtype(x.dtype, jnp.floating) else x, abstract)
+                abstract = lora_lib.cast_floating(abstract, jnp.dtype(dtype))
             if not on_host:
                 abstract = checkpoint.abstract_like(abstract, partitioning.param_shardings(
                     abstract, encoder.module, mesh or mesh_lib.default_mesh()))
@@ -125,8 +124,7 @@ def _merged_run(workdir: str, config, base: dict | None, encoder: Encoder, adapt
     del loaded, whole
     plain = encoder.without_lora()
     if dtype is not None:
-        params = jax.tree.map(lambda x: np.asarray(x).astype(jnp.dtype(dtype))
-                              if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+        params = lora_lib.cast_floating(params, jnp.dtype(dtype))
     if not on_host:
         params = mesh_lib.put(params, partitioning.param_shardings(params, plain.module,
                                                                    mesh or mesh_lib.default_mesh()))

@@ -8,6 +8,7 @@ the families' business: each model file has its name map
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -236,8 +237,6 @@ def safetensors_files(folder: str) -> list[str]:
 def weights_digest(path: str) -> str:
     """16 hex digits (BLAKE2b) over the names and bytes of a checkpoint folder's safetensors files: the
     identity of its weights, whatever folder or hub cache holds them (about 1 s per GB)."""
-    import hashlib
-
     h = hashlib.blake2b(digest_size=8)
     for file in safetensors_files(path):
         h.update(os.path.basename(file).encode() + b"\x00")
