@@ -25,17 +25,23 @@ PROG = "python -m infjax.bench"
 CHILDREN = {"restore-run", "torch-loop"}     # modules of infjax/benchmarks that benchmarks run in a child process
 
 
+def _module(name: str) -> ast.Module:
+    """A benchmark module's syntax tree, read without importing it (some import torch)."""
+    path = os.path.join(os.path.dirname(infjax.benchmarks.__file__), name.replace("-", "_") + ".py")
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read())
+
+
 def available() -> list[str]:
+    """The modules of infjax/benchmarks with a `main` (the others are their shared parts)."""
     return sorted(name for m in pkgutil.iter_modules(infjax.benchmarks.__path__)
-                  if (name := m.name.replace("_", "-")) not in CHILDREN)
+                  if (name := m.name.replace("_", "-")) not in CHILDREN
+                  and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in _module(name).body))
 
 
 def summary(name: str) -> str:
-    """The first line of a benchmark's docstring, read without importing it (some import torch)."""
-    path = os.path.join(os.path.dirname(infjax.benchmarks.__file__), name.replace("-", "_") + ".py")
-    with open(path, encoding="utf-8") as f:
-        doc = ast.get_docstring(ast.parse(f.read())) or ""
-    return doc.split("\n", 1)[0]
+    """The first line of a benchmark's docstring."""
+    return (ast.get_docstring(_module(name)) or "").split("\n", 1)[0]
 
 
 def usage() -> str:

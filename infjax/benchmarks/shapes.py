@@ -22,6 +22,7 @@ BERT_BASE = dict(model_type="bert", architectures=["BertModel"], hidden_size=768
                  num_attention_heads=12, intermediate_size=3072, vocab_size=30522, max_position_embeddings=512,
                  type_vocab_size=2, hidden_act="gelu", layer_norm_eps=1e-12, hidden_dropout_prob=0.1,
                  attention_probs_dropout_prob=0.1, pad_token_id=0)
+E5_LARGE = dict(BERT_BASE, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
 QWEN25_15B = dict(model_type="qwen2", architectures=["Qwen2Model"], hidden_size=1536, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936,
                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
@@ -30,7 +31,7 @@ QWEN25_7B = dict(QWEN25_15B, hidden_size=3584, num_attention_heads=28, num_key_v
                  vocab_size=152064, tie_word_embeddings=False)
 # --shape of `bench train`: config.json contents and whether the model is a decoder (last-token pooling,
 # remat and scanned layers, as the decoder presets)
-SHAPES = {"bert-base": (BERT_BASE, False), "qwen2.5-1.5b": (QWEN25_15B, True), "qwen2.5-7b": (QWEN25_7B, True)}
+SHAPES = {"bert-base": (BERT_BASE, False), "e5-large": (E5_LARGE, False), "qwen2.5-1.5b": (QWEN25_15B, True), "qwen2.5-7b": (QWEN25_7B, True)}
 
 
 

@@ -98,16 +98,20 @@ def _flags(argv):
 class Setup:
     """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
 
-    def __init__(self, config, records: list[dict] | None = None, weights: bool = True):
-        """`weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile."""
-        config_lib.validate(config, jax.device_count(), jax.process_count())
+    def __init__(self, config, records: list[dict] | None = None, weights: bool = True, devices=None):
+        """`weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile.
+        `devices`: those to build the mesh of (default: JAX's), e.g. a compile-only target's (only `compile`
+        and `abstract_batch` then apply; the batches are sized by their count)."""
+        devices = list(devices if devices is not None else jax.devices())
+        config_lib.validate(config, len(devices), jax.process_count())
         self.config = config
         self.encoder, params, path = load_encoder(config.model, weights=weights)
         self.records = records if records is not None else setup_lib.load_training_records(config.data)
         self.objective = setup_lib.make_objective(config)
-        batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective)
+        batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective,
+                                                 num_devices=len(devices))
         self.plan, self.build = batch_setup.plan, batch_setup.build
-        self.mesh = mesh_lib.make_mesh(config.mesh)
+        self.mesh = mesh_lib.make_mesh(config.mesh, devices)
         self.optimizer, self.schedule = state_lib.make_optimizer(config.train, max(config.train.steps, 1000))
         self.abstract = state_lib.abstract_state(params, self.optimizer, config.train.seed)
         self.shardings = state_lib.state_shardings(self.abstract, self.encoder.module, self.mesh)
@@ -117,6 +121,11 @@ class Setup:
 
     def batch(self, i: int):
         return mesh_lib.global_batch(self.build(i), self.mesh)
+
+    def abstract_batch(self, i: int):
+        """Step `i`'s batch as ShapeDtypeStructs split over the mesh's batch axes (nothing placed: any devices)."""
+        sharding = mesh_lib.batch_sharding(self.mesh)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), self.build(i))
 
     def abstract_inputs(self, batch):
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.abstract,

@@ -7,12 +7,12 @@ is therefore just the step, which makes resuming exact.
 
 A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
-arrays, `{"q": {"ids", "mask", "text", "first", "last"}, ...}`, one packing
+arrays, `{"q": {"ids", "mask", "text", "first", "last", "segments"}, ...}`, one packing
 per batch shard, or per gradient-caching chunk of one, see data/packing.py).
 Packed buffers have fixed shapes, measured once over every step of the run
-before the first (`measure_shapes`): per side a row length, and a few sets of
-row counts, each step packed into the cheapest set that holds it (one compiled
-train step per set).
+before the first (`measure_shapes`): per side a row length, the most texts a
+row holds (rounded up to a power of two), and a few sets of row counts, each step
+packed into the cheapest set that holds it (one compiled train step per set).
 """
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
                 lengths_of[(side, t)] = len(ids)
             per_step.setdefault(side, []).append([lengths_of[(side, t)] for t in batch_texts])
     sides = sorted(per_step)
-    lengths, needs = {}, []
+    lengths, needs, texts = {}, [], {}
     for side in sides:
         chunks = (build.chunks or {}).get(side, 1)
         configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
@@ -229,10 +229,11 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
             needs.append(np.full(len(steps), fixed_rows[side]))     # (nothing measured: all steps alike)
             continue
         lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span, multiple)
-        needs.append(np.array([packing.capacity_for([step], shards, lengths[side], chunks).rows
-                               for step in per_step[side]]))
+        fills = [packing.capacity_for([step], shards, lengths[side], chunks) for step in per_step[side]]
+        needs.append(np.array([c.rows for c in fills]))
+        texts[side] = packing.segment_bound(max(c.texts for c in fills))
     needs = np.stack(needs, axis=1).reshape(len(steps), len(sides))
     costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
-    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)))
+    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)), texts)

@@ -9,6 +9,12 @@ input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
     text   [S, rows, length]   which of the shard's n texts a token belongs to (n on the tail)
     first  [S, n]              flat index (row * length + column) of each text's first token
     last   [S, n]              ... and of its last token
+    segments [S, rows, M]      the token count of each text of a row, in row order (0 past its last text)
+
+``segments`` carries M, the most texts a row may hold, in its shape: a static bound that the attention
+kernels which keep per-text state (cuDNN's packed attention keeps [rows * M, heads, length] softmax
+statistics) are traced with. M is measured with the row counts over every step of a run (`Shapes.texts`)
+and rounded up to a power of two, at least 2 (`segment_bound`); a row never holds more.
 
 ``text``, ``first`` and ``last`` are in the shard's text order, so pooling
 (models.pooling.pool_packed) returns the embeddings in the original row order
@@ -31,7 +37,7 @@ import numpy as np
 
 from infjax.errors import UserError
 
-KEYS = ("ids", "mask", "text", "first", "last")
+KEYS = ("ids", "mask", "text", "first", "last", "segments")
 
 
 class PackingOverflow(UserError, ValueError):
@@ -44,14 +50,31 @@ class Capacity:
 
     rows: int
     length: int
+    texts: int | None = None       # the most texts one row may hold, M (None: as many as fit)
 
     @property
     def tokens(self) -> int:
         return self.rows * self.length
 
+    def segment_slots(self, count: int) -> int:
+        """M, the `segments` width of a shard packing `count` texts: `texts`, else `segment_bound` of the most
+        that could share a row."""
+        return self.texts if self.texts is not None else segment_bound(min(count, self.length))
 
-def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
-    """Rows of text indices, first-fit by decreasing length (ties: lower index first); each row sums to <= length."""
+
+def segment_bound(most: int) -> int:
+    """The static bound M for rows holding at most `most` texts: the next power of two, at least 2 (so that
+    a handful of measured values give few distinct compiled shapes; 2, because JAX passes cuDNN the text
+    offsets only when a row may hold more than one)."""
+    m = 2
+    while m < most:
+        m *= 2
+    return m
+
+
+def first_fit(lengths: Sequence[int], length: int, max_texts: int | None = None) -> list[list[int]]:
+    """Rows of text indices, first-fit by decreasing length (ties: lower index first); each row sums to <= length
+    and holds at most `max_texts` texts (None: no limit)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     rows: list[list[int]] = []
     free: list[int] = []
@@ -59,7 +82,7 @@ def first_fit(lengths: Sequence[int], length: int) -> list[list[int]]:
         if lengths[i] > length:
             raise PackingOverflow(f"a text of {lengths[i]} tokens does not fit a pack length of {length}")
         for r, room in enumerate(free):
-            if lengths[i] <= room:
+            if lengths[i] <= room and (max_texts is None or len(rows[r]) < max_texts):
                 rows[r].append(i)
                 free[r] -= lengths[i]
                 break
@@ -76,14 +99,17 @@ def rows_needed(lengths: Sequence[int], length: int) -> int:
 def pack_shard(tokens: Sequence[np.ndarray], capacity: Capacity, pad_id: int, what: str = "texts") -> dict:
     """One shard's texts (token arrays, already cut to their max length) -> packed arrays without the S axis."""
     lengths = [len(t) for t in tokens]
-    placement = first_fit(lengths, capacity.length)
-    if len(placement) > capacity.rows:
-        raise PackingOverflow(f"{what}: {len(tokens)} texts ({sum(lengths)} tokens) need {len(placement)} packed rows "
-                              f"of {capacity.length} tokens but the capacity is {capacity.rows} rows")
     n = len(tokens)
+    slots = capacity.segment_slots(n)
+    placement = first_fit(lengths, capacity.length, slots)
+    if len(placement) > capacity.rows:
+        limit = f", at most {slots} texts a row" if capacity.texts is not None else ""
+        raise PackingOverflow(f"{what}: {len(tokens)} texts ({sum(lengths)} tokens) need {len(placement)} packed rows "
+                              f"of {capacity.length} tokens{limit} but the capacity is {capacity.rows} rows")
     ids = np.full((capacity.rows, capacity.length), pad_id, np.int32)
     mask = np.zeros((capacity.rows, capacity.length), np.int32)
     text = np.full((capacity.rows, capacity.length), n, np.int32)
+    segments = np.zeros((capacity.rows, slots), np.int32)
     first, last = np.zeros(n, np.int32), np.zeros(n, np.int32)
     for r, members in enumerate(placement):
         col = 0
@@ -91,8 +117,9 @@ def pack_shard(tokens: Sequence[np.ndarray], capacity: Capacity, pad_id: int, wh
             span = slice(col, col + lengths[i])
             ids[r, span], mask[r, span], text[r, span] = tokens[i], seg, i
             first[i], last[i] = r * capacity.length + col, r * capacity.length + col + lengths[i] - 1
+            segments[r, seg - 1] = lengths[i]
             col += lengths[i]
-    return {"ids": ids, "mask": mask, "text": text, "first": first, "last": last}
+    return {"ids": ids, "mask": mask, "text": text, "first": first, "last": last, "segments": segments}
 
 
 def groups(count: int, shards: int, chunks: int = 1) -> list[list[range]]:
@@ -120,13 +147,15 @@ def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: 
 
 def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int, chunks: int = 1) -> Capacity:
     """The smallest capacity that holds every batch listed (texts in row order, split over `shards` and
-    each shard's texts over `chunks`)."""
-    rows = 1
+    each shard's texts over `chunks`), its `texts` the most that any of their rows holds (`segment_bound`)."""
+    rows, most = 1, 1
     for lengths in lengths_per_batch:
         for shard in groups(len(lengths), shards, chunks):
             for members in shard:
-                rows = max(rows, rows_needed([lengths[i] for i in members], length))
-    return Capacity(rows, length)
+                placement = first_fit([lengths[i] for i in members], length)
+                rows = max(rows, len(placement))
+                most = max([most] + [len(r) for r in placement])
+    return Capacity(rows, length, segment_bound(most))
 
 
 # --------------------------------------------------------------------------
@@ -182,9 +211,10 @@ class Shapes:
     rows: tuple[dict[str, int], ...]
     of_step: np.ndarray
     largest: dict[str, int]
+    texts: dict[str, int] | None = None     # side -> M, the most texts a row holds (segment_bound; None: unbounded)
 
     def capacities(self, rows: dict[str, int]) -> dict[str, Capacity]:
-        return {side: Capacity(n, self.lengths[side]) for side, n in rows.items()}
+        return {side: Capacity(n, self.lengths[side], (self.texts or {}).get(side)) for side, n in rows.items()}
 
     def at(self, step: int) -> dict[str, Capacity]:
         """Capacities per side of the shape of `step`."""
@@ -254,14 +284,20 @@ def best_fit_rows(lengths: Sequence[int], widths: Sequence[int]) -> list[tuple[i
 
 
 def pack_rows(tokens: Sequence[np.ndarray], rows: Sequence[Sequence[int]], shards: int, width: int, texts: int,
-              pad_id: int) -> tuple[dict, np.ndarray]:
+              pad_id: int, segments: int | None = None) -> tuple[dict, np.ndarray]:
     """Given rows (text indices into `tokens`; len(rows) a multiple of `shards`), the packed arrays [S, ...]
-    with `texts` slots per shard, and owners [S, texts]: the text index in each slot (-1: unused slot)."""
+    with `texts` slots per shard and `segments` (M; None: `segment_bound` of the fullest row) per row, and
+    owners [S, texts]: the text index in each slot (-1: unused slot)."""
     per_shard = len(rows) // shards
+    most = max((len(r) for r in rows), default=1)
+    segments = segments or segment_bound(most)
+    if most > segments:
+        raise ValueError(f"a row holds {most} texts, more than its {segments} segment slots")
     out = {"ids": np.full((shards, per_shard, width), pad_id, np.int32),
            "mask": np.zeros((shards, per_shard, width), np.int32),
            "text": np.full((shards, per_shard, width), texts, np.int32),
-           "first": np.zeros((shards, texts), np.int32), "last": np.zeros((shards, texts), np.int32)}
+           "first": np.zeros((shards, texts), np.int32), "last": np.zeros((shards, texts), np.int32),
+           "segments": np.zeros((shards, per_shard, segments), np.int32)}
     owners = np.full((shards, texts), -1, np.int64)
     for s in range(shards):
         slot = 0
@@ -272,6 +308,7 @@ def pack_rows(tokens: Sequence[np.ndarray], rows: Sequence[Sequence[int]], shard
                 span = slice(col, col + n)
                 out["ids"][s, r, span], out["mask"][s, r, span], out["text"][s, r, span] = tokens[i], seg, slot
                 out["first"][s, slot], out["last"][s, slot] = r * width + col, r * width + col + n - 1
+                out["segments"][s, r, seg - 1] = n
                 owners[s, slot] = i
                 slot, col = slot + 1, col + n
     return out, owners

@@ -160,18 +160,22 @@ class TextEmbedder:
             bar.close()
         return out
 
-    def calls(self, tokens: list[np.ndarray], max_len: int) -> list[tuple[int, list[list[int]], int]]:
-        """The packed encoder calls of a corpus: (width, rows of text indices, text slots per shard)."""
+    def calls(self, tokens: list[np.ndarray], max_len: int) -> list[tuple[int, list[list[int]], int, int]]:
+        """The packed encoder calls of a corpus: (width, rows of text indices, text slots per shard, segment
+        slots per row), the slots the most of any call of the same shape (one compiled shape each)."""
         widths = list(length_buckets(max_len, 32))
         rows = packing.best_fit_rows([len(t) for t in tokens], widths)
         per_call = {w: round_to_shards(max(self.call_tokens // w, 1), self.mesh) for w in widths}
         planned = packing.plan_calls(rows, per_call, self.shards)
         slots: dict[tuple[int, int], int] = {}                  # most texts in a shard, per call shape
+        segments: dict[tuple[int, int], int] = {}               # most texts in a row, per call shape
         for width, rows in planned:
             per_shard = len(rows) // self.shards
             most = max(sum(len(r) for r in rows[s * per_shard:(s + 1) * per_shard]) for s in range(self.shards))
             slots[width, len(rows)] = max(slots.get((width, len(rows)), 0), -(-most // 8) * 8)
-        return [(width, rows, slots[width, len(rows)]) for width, rows in planned]
+            segments[width, len(rows)] = max(segments.get((width, len(rows)), 2),
+                                             packing.segment_bound(max((len(r) for r in rows), default=1)))
+        return [(width, rows, slots[width, len(rows)], segments[width, len(rows)]) for width, rows in planned]
 
     def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None) -> np.ndarray:
         t0 = time.perf_counter()
@@ -180,9 +184,10 @@ class TextEmbedder:
         self.stats["host_s"] += time.perf_counter() - t0
 
         def jobs():
-            for width, rows, slots in calls:
+            for width, rows, slots, segments in calls:
                 t0 = time.perf_counter()
-                arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id)
+                arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id,
+                                                   segments)
                 self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
                 self.stats["buffer_tokens"] += arrays["mask"].size
                 inputs = put(arrays, self._rows)                   # each process: its devices' shards
@@ -202,7 +207,8 @@ class CrossAttentionQueryEmbedder:
         def embed(params, i_ids, i_mask, q_ids, q_mask):
             qp = query_params(params)
             i_vec = encoder(qp, i_ids, i_mask)
-            return interaction.iq_embeddings(params["interaction"], i_vec, encoder.hidden(qp, q_ids, q_mask), q_mask)
+            return interaction.iq_embeddings(params["interaction"], i_vec, encoder.hidden(qp, q_ids, q_mask, max_segments=1),
+                                              q_mask)
 
         self._rows = batch_sharding(mesh)
         # Inputs come as global arrays (params as the caller holds them, rows through `put`): no in_shardings.

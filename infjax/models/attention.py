@@ -25,13 +25,15 @@ another) takes, for each call, the first of the platform's candidates that
 takes the inputs: CPU ``kernel``; GPU ``cudnn``, then ``pallas``; TPU
 ``splash``; then ``explicit``. An implementation named explicitly that cannot
 take the inputs falls back the same way. Attention dropout (training with a
-checkpoint's dropout) always takes ``explicit``. Each distinct choice is
-logged once, with the reason for every candidate passed over (a warning when
-an accelerator falls back to ``explicit``).
+checkpoint's dropout) always takes ``explicit``, which keeps [T, T]
+probabilities for the backward pass: a warning says so on accelerators. Each
+distinct choice is logged once, with the reason for every candidate passed
+over (a warning when an accelerator falls back to ``explicit``).
 
 Under a sharded step the per-device kernels need to know how the rows are split, and cuDNN how many
 texts a row can hold: the encoder sets both around its call with `options` (trace-time settings, like
-a mesh context).
+a mesh context; the row bound comes with the batch: 1 for padded rows, the packed batch's `segments`
+width for packed ones). `options(report=False)` silences the choice log (shape-only model inits).
 """
 from __future__ import annotations
 
@@ -65,16 +67,17 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class Options:
     sharding: Any = None               # NamedSharding of the [B, T, H] activations (rows over the batch axes)
-    max_segments: int | None = None    # at most this many texts in one row (None: T)
+    max_segments: int | None = None    # at most this many texts in one row (None: unknown, T)
+    report: bool = True                # log the choice (off for shape-only inits, which compute nothing)
 
 
 _OPTIONS: contextvars.ContextVar[Options] = contextvars.ContextVar("infjax_attention_options", default=Options())
 
 
 @contextlib.contextmanager
-def options(sharding=None, max_segments: int | None = None):
+def options(sharding=None, max_segments: int | None = None, report: bool = True):
     """Trace-time settings of the attention calls made inside the block (see the module docstring)."""
-    token = _OPTIONS.set(Options(sharding, max_segments))
+    token = _OPTIONS.set(Options(sharding, max_segments, report))
     try:
         yield
     finally:
@@ -84,6 +87,7 @@ def options(sharding=None, max_segments: int | None = None):
 class Choice(NamedTuple):
     impl: str          # the implementation that runs
     reason: str        # why: the candidates passed over, or that it was asked for
+    degraded: bool = False   # a better kernel was passed over for a defect of the installed software: warn
 
 
 def requested(impl: str = "auto") -> str:
@@ -117,26 +121,56 @@ def unsupported(impl: str, q, k, *, causal: bool = False, window=None, opts: Opt
     raise ValueError(f"attention impl {impl!r} is not one of {IMPLS}")
 
 
+DROPOUT_REASON = "attention dropout is on: the explicit path keeps [T, T] probabilities for the backward pass"
+
+
 def choose(q, k, *, causal: bool = False, window=None, dropout: bool = False, impl: str = "auto") -> Choice:
     """The implementation `attention` runs for these inputs, and why."""
     impl = requested(impl)
     if dropout:
-        return Choice("explicit", "attention dropout is on")
+        return Choice("explicit", DROPOUT_REASON)
     platform = kernels.platform()
     candidates = CANDIDATES.get(platform, ()) if impl == "auto" else (impl,)
-    passed = []
+    passed, degraded = [], False
     for name in candidates:
         why = unsupported(name, q, k, causal=causal, window=window)
         if why is None:
-            return Choice(name, f"auto on {platform}" if impl == "auto" else "asked for")
+            how = f"auto on {platform}" if impl == "auto" else "asked for"
+            return Choice(name, "; ".join([how] + passed), degraded)
         passed.append(f"{name}: {why}")
+        # cuDNN refused for the installed JAX's grouped-query defect, not for what the inputs are
+        degraded |= name == "cudnn" and k.shape[2] != q.shape[2] and why == gpu.gqa_offsets_error()
     if not passed:
         return Choice("explicit", f"auto on {platform}" if impl == "auto" else "asked for")
-    return Choice("explicit", "; ".join(passed))
+    return Choice("explicit", "; ".join(passed), degraded)
 
 
 _WARNED: set[str] = set()      # fallback reasons already warned about
 _REPORTED: set[str] = set()
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("infjax_attention_record", default=None)
+
+
+class Call(NamedTuple):
+    """One attention call as traced: its inputs' shapes and what ran."""
+    choice: Choice
+    shape: tuple                # q [B, T, N, D]
+    kv_heads: int
+    dtype: str
+    causal: bool
+    window: Any                 # an int, "traced" (scanned layers) or None
+    max_segments: int | None
+
+
+@contextlib.contextmanager
+def recorded():
+    """Collect every attention call traced inside the block (a list of `Call`, in trace order): what the
+    compiled program runs, e.g. for `python -m infjax.bench compile`."""
+    calls: list[Call] = []
+    token = _RECORD.set(calls)
+    try:
+        yield calls
+    finally:
+        _RECORD.reset(token)
 
 
 def _report(choice: Choice, q, causal, window, impl: str) -> None:
@@ -146,13 +180,13 @@ def _report(choice: Choice, q, causal, window, impl: str) -> None:
         mask += f", window {window if isinstance(window, int) else '(per layer)'}"
     message = (f"attention: {choice.impl} for rows of {q.shape[1]} tokens, {q.shape[2]} heads of {q.shape[3]}, "
                f"{jnp.dtype(q.dtype).name}, {mask} ({choice.reason})")
-    if message in _REPORTED:
+    if message in _REPORTED or not _OPTIONS.get().report:
         return
     _REPORTED.add(message)
-    fell_back = choice.impl == "explicit" and ":" in choice.reason
+    fell_back = choice.impl == "explicit" and ":" in choice.reason     # (dropout's reason has one too)
     accelerator = kernels.platform() != "cpu"
     kind = re.sub(r"\d+", "N", choice.reason)      # the reason, whatever the shape
-    warn = fell_back and (accelerator or requested(impl) != "auto") and kind not in _WARNED
+    warn = (choice.degraded or fell_back and (accelerator or requested(impl) != "auto")) and kind not in _WARNED
     if warn:                        # once per reason: the other shapes that fall back for it are INFO lines
         _WARNED.add(kind)
     log.log(logging.WARNING if warn else logging.INFO, message)
@@ -172,6 +206,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     choice = choose(q, k, causal=causal, window=window, dropout=dropout is not None, impl=impl)
     _report(choice, q, causal, window, impl)
     opts = _OPTIONS.get()
+    record = _RECORD.get()
+    if record is not None and opts.report:        # (not the shape-only inits: they compute nothing)
+        record.append(Call(choice, tuple(q.shape), k.shape[2], jnp.dtype(q.dtype).name, causal,
+                           window if window is None or isinstance(window, int) else "traced", opts.max_segments))
     if choice.impl == "kernel":
         return cpu.attention(q, k, v, segment_ids, causal=causal, window=window)
     if choice.impl == "cudnn":

@@ -57,10 +57,10 @@ class Encoder:
         """What packed row lengths must be a multiple of for its attention kernel (`attention.row_multiple`)."""
         return attention.row_multiple(self.module.config.head_dim, self.module.dtype, dropout)
 
-    def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None,
-               max_segments: int | None = None) -> jax.Array:
-        """Float32 token states [N, L, H] of token ids [N, L] (`mask`: segment ids; `max_segments`: at most
-        this many texts in a row, None: L)."""
+    def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None, *,
+               max_segments: int) -> jax.Array:
+        """Float32 token states [N, L, H] of token ids [N, L] (`mask`: segment ids; `max_segments`: at most this
+        many texts in a row: 1 for padded rows, the packed batch's bound for packed ones)."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
         deterministic = dropout_rng is None or not self.backbone_dropout
         with attention.options(getattr(self.module, "activation_sharding", None), max_segments):
@@ -68,15 +68,16 @@ class Encoder:
         return out.astype(jnp.float32)
 
     def __call__(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None) -> jax.Array:
-        """L2-normalized float32 embeddings [N, d] of token ids [N, L]."""
+        """L2-normalized float32 embeddings [N, d] of token ids [N, L] (padded: one text per row)."""
         return l2_normalize(pool(self.hidden(params, ids, mask, dropout_rng, max_segments=1), mask, self.pooling))
 
     def packed_hidden(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
-        """Float32 token states [S, rows * length, H] of packed texts (data.packing layout)."""
+        """Float32 token states [S, rows * length, H] of packed texts (data.packing layout: the width of its
+        `segments` is the most texts a row holds)."""
         s, rows, length = packed["ids"].shape
-        texts = packed["first"].shape[1]          # texts per shard: no row holds more
         hidden = self.hidden(params, packed["ids"].reshape(s * rows, length),
-                             packed["mask"].reshape(s * rows, length), dropout_rng, max_segments=min(texts, length))
+                             packed["mask"].reshape(s * rows, length), dropout_rng,
+                             max_segments=packed["segments"].shape[-1])
         return hidden.reshape(s, rows * length, -1)
 
     def packed(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:

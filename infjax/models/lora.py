@@ -106,7 +106,10 @@ class LoraDense(nn.Dense):
         if spec.dropout > 0 and self.has_rng("dropout"):       # training (a dropout key is given)
             x = nn.Dropout(spec.dropout, deterministic=False)(x)
         x, a, b = nn.dtypes.promote_dtype(x, a, b, dtype=self.dtype)
-        return y + (x @ a * jnp.asarray(spec.scale, x.dtype)) @ b
+        # The scale alpha / rank is applied in float32 (in bfloat16, 32/3 would be 10.6875, +0.2%), as the merged
+        # export applies it: only the product's rounding to the compute dtype differs.
+        low = jnp.dot(x, a, preferred_element_type=jnp.float32) * jnp.float32(spec.scale)
+        return y + low.astype(x.dtype) @ b
 
 
 # --------------------------------------------------------------------------

@@ -46,8 +46,8 @@ def encoder_calls(encoder: Encoder, batch: dict) -> dict[str, tuple]:
     calls = {"p": (pooled(passage_params), batch["p_ids"], batch["p_mask"], 1)}
     if "i_ids" in batch:
         calls["i_vec"] = (pooled(query_params), batch["i_ids"], batch["i_mask"], 0)
-        calls["q_hidden"] = (lambda params, ids, mask, rng: encoder.hidden(query_params(params), ids, mask, rng, 1),
-                             batch["qo_ids"], batch["qo_mask"], 2)
+        calls["q_hidden"] = (lambda params, ids, mask, rng: encoder.hidden(
+            query_params(params), ids, mask, rng, max_segments=1), batch["qo_ids"], batch["qo_mask"], 2)
         return calls
     calls["iq"] = (pooled(query_params), batch["q_ids"], batch["q_mask"], 0)
     if "n_ids" in batch:

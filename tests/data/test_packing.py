@@ -60,6 +60,37 @@ def test_pack_round_trip_and_overflow_names_the_input():
         packing.pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
 
 
+def test_rows_hold_at_most_the_capacitys_texts_and_segments_list_their_lengths():
+    tokens = _tokens()
+    free = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    assert int(free["mask"].max()) == 3 and free["segments"].shape[-1] == packing.segment_bound(3) == 4
+    bounded = packing.Capacity(4, PACK, texts=2)
+    out = packing.pack(tokens, 2, bounded, 0)
+    assert out["segments"].shape == (2, 4, 2) and int(out["mask"].max()) == 2
+    np.testing.assert_array_equal(out["segments"].sum(axis=(1, 2)), [sum(LENGTHS[:4]), sum(LENGTHS[4:])])
+    with pytest.raises(packing.PackingOverflow, match=r"at most 1 texts a row but the capacity is 2 rows"):
+        packing.pack(tokens, 2, packing.Capacity(2, PACK, texts=1), 0)
+    assert [packing.segment_bound(n) for n in (1, 2, 3, 5, 8, 9)] == [2, 2, 4, 8, 8, 16]
+
+
+def test_the_encoder_bounds_each_attention_call_by_its_batch(tmp_path_factory, monkeypatch):
+    """What reaches the attention kernels as the most texts a row holds: the packed batch's `segments` width,
+    and 1 for a padded batch, never the row length."""
+    fam = FAMILIES["qwen2"]
+    module, params, _, _ = fam.load(_checkpoint("qwen2", tmp_path_factory))
+    encoder = Encoder(module, "last", fam.padding_side, "qwen2")
+    seen = []
+    choose = A.choose
+    monkeypatch.setattr(A, "choose", lambda *a, **k: seen.append(A._OPTIONS.get().max_segments) or choose(*a, **k))
+    tokens = _tokens()
+    packed = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    jax.eval_shape(lambda p: encoder.packed(p, packed), params)
+    assert seen and set(seen) == {packed["segments"].shape[-1]} == {4}
+    seen.clear()
+    jax.eval_shape(lambda p: encoder(p, *_padded(tokens, "left")), params)
+    assert seen and set(seen) == {1}
+
+
 def test_chosen_row_length_is_the_least_cost_candidate_by_a_naive_count():
     """choose_length against first_fit rows counted by hand; texts of ~45 tokens (the longest 64) are
     packed two to a row of 96 rather than one to a row of 64."""
@@ -222,9 +253,19 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
     shapes = build.shapes
     assert build.capacities == shapes.capacities(shapes.largest) and 1 <= len(shapes.rows) <= 3
+    most = {side: 0 for side in shapes.texts}
     for step in range(config.train.steps):                      # every step fits the rows of its shape
         batch = build(step)
         assert all(batch[s]["mask"].shape[1:] == (c.rows, c.length) for s, c in shapes.at(step).items())
+        for side in shapes.texts:                               # `segments`: each row's texts' lengths, width M
+            mask, segments = batch[side]["mask"], batch[side]["segments"]
+            assert segments.shape == mask.shape[:-1] + (shapes.texts[side],)
+            np.testing.assert_array_equal(segments, (mask[..., None] == np.arange(1, segments.shape[-1] + 1))
+                                          .sum(axis=-2))
+            most[side] = max(most[side], int(mask.max()))
+    # M is the most texts any row of the run holds, rounded up to a power of two (at least 2)
+    assert shapes.texts == {side: packing.segment_bound(m) for side, m in most.items()}
+    assert any(m > 2 for m in most.values()) and all(shapes.texts[s] < 4 * m for s, m in most.items())
     one = setup_lib.make_batch_setup(config_lib_override(config, {"data.pack_shapes": 1}), records, encoder, path,
                                      obj, num_devices=8).build
     assert len(one.shapes.rows) == 1 and one.shapes.rows[0] == shapes.largest

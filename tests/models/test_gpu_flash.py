@@ -194,6 +194,11 @@ def test_lowers_to_triton_for_cuda():
     def loss(q, k, v, lo, hi):
         return gpu_flash.flash_attention(q, k, v, lo, hi).astype(jnp.float32).sum()
 
-    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, ranges, ranges).lower(
-        lowering_platforms=("cuda",))
+    # jax >= 0.11 lowers for the GPU of the context: an abstract H100 (0.10 lowers for compute capability 9.0
+    # when no GPU is attached and ignores it)
+    h100 = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k, ranges, ranges).lower(
+            lowering_platforms=("cuda",))
     assert lowered.as_text().count("xla.gpu.triton") == 3

@@ -202,7 +202,7 @@ def test_peft_loads_the_adapters_onto_the_hugging_face_model(family, tmp_path_fa
     with torch.no_grad():
         theirs = adapted(**kwargs).last_hidden_state.numpy()
         base = model(**kwargs).last_hidden_state.numpy()
-    ours = np.asarray(enc.hidden(tree, ids, mask))
+    ours = np.asarray(enc.hidden(tree, ids, mask, max_segments=1))
     real = np.asarray(mask).astype(bool)
     assert np.abs(theirs - base)[real].max() > 1e-2          # the adapters change the model
     print(f"{family}: PEFT vs infjax hidden states {np.abs(theirs - ours)[real].max():.1e}, PEFT vs base "
@@ -234,3 +234,20 @@ def test_old_configs_without_lora_resume_and_load():
     from infjax.models.encoder import lora_spec
     old = ml_collections.ConfigDict(saved["model"])
     assert lora_spec(old, registry.FAMILIES["bert"]) is None
+
+
+def test_the_lora_scale_is_applied_in_float32_as_the_merged_export_applies_it():
+    """alpha / rank = 32 / 3 is 10.6875 in bfloat16 (+0.2%). In a bfloat16 layer, the adapter's contribution
+    must follow the float32 scale: over 16k outputs the bf16 rounding of each averages out, a 0.2% bias
+    would not (its least-squares ratio to the exact float64 term would be ~1.002)."""
+    spec = lora.LoraSpec(rank=3, alpha=32.0, roles=frozenset({"q"}))
+    layer = lora.LoraDense(features=128, dtype=jnp.bfloat16, use_bias=False, lora=spec)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(128, 64)).astype(np.float32)
+    a, b = rng.normal(size=(64, 3)).astype(np.float32), rng.normal(size=(3, 128)).astype(np.float32)
+    params = {"kernel": np.zeros((64, 128), np.float32), "lora_a": a, "lora_b": b}
+    got = np.asarray(layer.apply({"params": params}, jnp.asarray(x, jnp.bfloat16)), np.float64)
+    xb, ab, bb = (np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64) for v in (x, a, b))
+    exact = (xb @ ab * (32 / 3)) @ bb
+    ratio = float((got * exact).sum() / (exact * exact).sum())
+    assert abs(ratio - 1) < 3e-4, ratio

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infjax.models import layers as L
+from infjax.models import attention, layers as L
 
 Entry = tuple[str, tuple[str, ...], bool]      # (HF name, Flax path, transpose)
 
@@ -53,7 +53,8 @@ def abstract_params(module, seq_len: int = 1) -> dict:
     """The parameter tree of ``module`` (called as ``module(ids, mask)``) as ShapeDtypeStructs, from an
     abstract init: nothing is read or allocated. Same layout as the loaders' (scanned or not)."""
     ids = jnp.zeros((1, seq_len), jnp.int32)
-    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))["params"]
+    with attention.options(report=False):       # nothing is computed: no attention choice worth a log line
+        return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))["params"]
 
 
 def module_param_shapes(module, seq_len: int = 1) -> dict[tuple[str, ...], tuple[int, ...]]:
