@@ -5,20 +5,26 @@ accelerator.json in the working directory) and prints a short table. Sections:
 
 - ``attention``: for each family's attention shape (BERT; ModernBERT's local-window and global layers; Llama's
   and Qwen2's causal grouped-query attention) on packed rows (several texts of random lengths per row and a
-  padding tail), in float32 and bfloat16, for every implementation of the platform (`attention.CANDIDATES`)
-  plus "xla" and "explicit": the implementation `attention.choose` picks when asked for it (a fallback shows),
-  the largest difference of the outputs and of the q/k/v gradients from "explicit" in float32 on the real
-  tokens, and the forward+backward time (median after warm-up).
+  padding tail, traced with the bound on texts per row that a packed batch carries) and, for the decoders,
+  on left-padded rows of one text each (what padded inference and `data.packing=False` give), in float32 and
+  bfloat16, for every implementation of the platform (`attention.CANDIDATES`) plus "xla" and "explicit": the
+  implementation `attention.choose` picks when asked for it (a fallback shows), the largest difference of the
+  outputs and of the q/k/v gradients on the real tokens from "explicit" in float32 at the highest matmul
+  precision (tolerances per platform: float32 dots are TF32 on GPUs and bf16 passes on TPUs by default), the
+  largest q/k/v gradient at padding tokens (must be exactly 0 and finite), and the
+  forward+backward time (median after warm-up).
 - ``numerics``: a few training steps of a tiny random BERT and a tiny random Qwen2 in bfloat16 and float32 from
   the same parameters on the same records (the project's train step); both loss curves and their largest
   relative difference, against a tolerance.
 - ``scale`` (accelerators, full form): the paper's shapes with random weights (no hub): BERT-base (e5-base-v2's
   sizes) and Qwen2.5-1.5B (remat, scanned layers) at query/passage max lengths 256/512, bfloat16, 32 records
-  per batch with hard negatives: step time, real tokens/s, MFU from the compiled FLOPs, peak device memory and
-  the attention implementation the step used.
+  per batch with hard negatives: step time, real tokens/s, MFU from the analytic model FLOPs of the step's real
+  texts (benchmarks/flops.py; XLA's count, which sees a scanned layer once and kernels as free, is kept beside
+  it as `compiled_flops_per_step`), peak device memory measured and as compiled, and the attention used.
 - ``vs_torch`` (full form, where torch has a CUDA device): the same rows through a plain PyTorch loop on the same
-  device (HF model with sdpa attention, bf16 autocast, dynamic padding, AdamW, in-batch softmax), rows/s of
-  both and their ratio. The torch loop runs in a child process; so that both fit on one device, JAX is given
+  device: HF transformers with sdpa attention, unpacked (each batch padded to its longest text), eager (no
+  torch.compile), bf16 autocast, AdamW, in-batch softmax; rows/s of both and their ratio. The ratio therefore
+  includes packing's gain, not only the kernels'. The torch loop runs in a child process; so that both fit on one device, JAX is given
   half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless already set).
 
 On CPU the reduced form runs (also with --reduced): tiny shapes, the GPU ("pallas") and TPU ("splash") kernels
@@ -45,10 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from infjax import cli, config as config_lib
-from infjax.benchmarks import shapes, train as bench_train
+from infjax import cli, config as config_lib, errors
+from infjax.benchmarks import flops as flops_lib, shapes, train as bench_train
+from infjax.data import packing
 from infjax.data.batches import real_tokens
 from infjax.models import attention, kernels
+from infjax.models.encoder import query_params
 from infjax.runtime import cpu as runtime_cpu, platform
 from infjax.training import state as state_lib
 
@@ -69,11 +77,16 @@ REDUCED_WINDOW = 16
 REDUCED_SAME = ("modernbert-global",)    # with the reduced heads, the very shape of "bert": not run twice
 FULL_ROWS, REDUCED_ROWS = (8, 2048), (2, 128)
 
-# Largest difference from explicit float32, relative to the largest |value| of the reference. float32: the
-# implementations differ in summation order and in exp/rescaling only, ~1e-6 is typical. bfloat16: inputs and
-# outputs are rounded to an 8-bit mantissa (2^-9 ~ 2e-3 relative per value) and the kernels multiply the
-# probabilities in bf16 as well, so the gradients (sums over a row of such products) are ~1e-2 off.
-TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+# Largest difference from explicit float32 at the highest matmul precision, relative to the largest |value| of
+# the reference. float32: on a CPU the implementations differ in summation order and exp/rescaling only (~1e-6);
+# GPUs multiply float32 in TF32 by default (10-bit mantissa, ~5e-4 per product), TPUs in bfloat16 passes.
+# bfloat16: inputs and outputs are rounded to an 8-bit mantissa (2^-9 ~ 2e-3 relative per value) and the kernels
+# multiply the probabilities in bf16 as well, so the gradients (sums over a row of such products) are ~1e-2 off.
+TOLERANCE = {("float32", "cpu"): 1e-4, ("float32", "gpu"): 3e-3, ("float32", "tpu"): 3e-2, ("bfloat16", None): 3e-2}
+
+
+def tolerance(dtype: str, platform_name: str) -> float:
+    return TOLERANCE.get((dtype, platform_name), TOLERANCE.get((dtype, None), TOLERANCE[("float32", "tpu")]))
 
 # Numerics: losses of bf16 and f32 training from the same start. Each bf16 op is ~3e-3 relative off; 30 steps of
 # AdamW at a small learning rate move the parameters little, so the curves stay within a few percent of each
@@ -97,6 +110,15 @@ def _error(e: BaseException) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------- attention
+
+def left_padded_segments(rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
+    """Segment ids [rows, length] of one text a row that ends the row (a decoder's padded batch), after a
+    padding of random length (the first row is full)."""
+    ids = np.zeros((rows, length), np.int32)
+    for r in range(rows):
+        ids[r, 0 if r == 0 else int(rng.integers(1, length // 2)):] = 1
+    return ids
+
 
 def packed_segments(rng: np.random.Generator, rows: int, length: int) -> np.ndarray:
     """Segment ids [rows, length]: texts of random lengths (1, 2, ...) then a padding tail (0)."""
@@ -130,47 +152,62 @@ def attention_impls() -> list[str]:
     return impls + ["xla", "explicit"]
 
 
-def attention_section(reduced: bool, repeats: int) -> list[dict]:
+def attention_cases(reduced: bool, rng: np.random.Generator):
+    """(family, layout, heads, kv heads, head size, causal, window, segment ids, texts-per-row bound) of the
+    section: every family on packed rows, and the decoders on left-padded rows of one text each."""
     rows, length = REDUCED_ROWS if reduced else FULL_ROWS
-    rng = np.random.default_rng(0)
-    out = []
     for family, (heads, kv, dim, causal, window) in SHAPES.items():
         if reduced and family in REDUCED_SAME:
             continue
         if reduced:
             heads, kv = REDUCED_HEADS[family]
             window = REDUCED_WINDOW if window is not None else None
-        seg = jnp.asarray(packed_segments(rng, rows, length))
-        real = np.asarray(seg) > 0
+        seg = packed_segments(rng, rows, length)
+        yield family, "packed", heads, kv, dim, causal, window, seg, packing.segment_bound(int(seg.max()))
+        if causal:
+            yield family, "left-padded", heads, kv, dim, causal, window, left_padded_segments(rng, rows, length), 1
+
+
+def attention_section(reduced: bool, repeats: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out = []
+    where = kernels.platform()
+    for family, layout, heads, kv, dim, causal, window, seg_np, bound in attention_cases(reduced, rng):
+        rows, length = seg_np.shape
+        seg = jnp.asarray(seg_np)
+        real = seg_np > 0
         q32, k32, v32 = (jnp.asarray(rng.standard_normal((rows, length, n, dim)), jnp.float32) for n in (heads, kv, kv))
+        # the cotangent of training: none at padding (pooling never reads it); a kernel must then give padding
+        # tokens an exact 0 gradient (cuDNN leaves the gradients of tokens outside every sequence unwritten)
         ct = jnp.asarray(rng.standard_normal((rows, length, heads, dim)) * real[:, :, None, None], jnp.float32)
 
         def fwd_bwd(impl, q, k, v):
             def loss(q, k, v):
-                o = attention.attention(q, k, v, seg, causal=causal, window=window, impl=impl)
+                with attention.options(max_segments=bound):          # the bound a batch of this layout carries
+                    o = attention.attention(q, k, v, seg, causal=causal, window=window, impl=impl)
                 return jnp.sum(o.astype(jnp.float32) * ct), o
             (_, o), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
             return o, grads
 
         for dtype in (jnp.float32, jnp.bfloat16):
             q, k, v = (x.astype(dtype) for x in (q32, k32, v32))
-            # the reference: explicit in float32 on the very (rounded) inputs the implementation gets
-            reference = jax.jit(functools.partial(fwd_bwd, "explicit"))
-            ref_o, ref_g = reference(*(x.astype(jnp.float32) for x in (q, k, v)))
+            # the reference: explicit in float32 at the highest precision on the very (rounded) inputs
+            with jax.default_matmul_precision("highest"):
+                ref_o, ref_g = jax.jit(functools.partial(fwd_bwd, "explicit"))(*(x.astype(jnp.float32)
+                                                                                  for x in (q, k, v)))
             refs = {"out": ref_o, "dq": ref_g[0], "dk": ref_g[1], "dv": ref_g[2]}
             # measured once per implementation that runs: a request that falls back reuses its figures
             measured = {}
             for impl in attention_impls():
-                row = {"family": family, "dtype": jnp.dtype(dtype).name, "rows": rows, "length": length,
-                       "heads": heads, "kv_heads": kv, "head_dim": dim, "causal": causal, "window": window,
-                       "texts": int(np.asarray(seg).max(axis=1).sum()), "real_tokens": int(real.sum()),
-                       "asked": impl}
+                row = {"family": family, "layout": layout, "dtype": jnp.dtype(dtype).name, "rows": rows,
+                       "length": length, "heads": heads, "kv_heads": kv, "head_dim": dim, "causal": causal,
+                       "window": window, "max_segments": bound, "texts": int(seg_np.max(axis=1).sum()),
+                       "real_tokens": int(real.sum()), "asked": impl}
                 try:
                     choice = attention.choose(q, k, causal=causal, window=window, impl=impl)
                     row.update(chosen=choice.impl, reason=choice.reason)
                     if choice.impl not in measured:
-                        f = reference if (choice.impl, dtype) == ("explicit", jnp.float32) else \
-                            jax.jit(functools.partial(fwd_bwd, choice.impl))
+                        f = jax.jit(functools.partial(fwd_bwd, choice.impl))
                         t0 = time.perf_counter()
                         o, g = jax.block_until_ready(f(q, k, v))
                         first = time.perf_counter() - t0
@@ -181,11 +218,14 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
                             scale = float(np.abs(np.asarray(r)[real]).max())
                             diffs[name] = float(d.max())
                             rel[name] = float(d.max()) / max(scale, 1e-30)
+                        padding = [np.asarray(x, np.float32)[~real] for x in g]
+                        pad_grad = max((float(np.abs(x).max()) if x.size else 0.0) for x in padding)
                         median = _timed(f, (q, k, v), repeats)
-                        tol = TOLERANCE[row["dtype"]]
+                        tol = tolerance(row["dtype"], where)
                         measured[choice.impl] = dict(
-                            max_abs_diff=diffs, max_rel_diff=rel, tolerance=tol, compile_s=first,
-                            fwd_bwd_ms=median * 1e3, ok=bool(all(np.isfinite(x) and x <= tol for x in rel.values())))
+                            max_abs_diff=diffs, max_rel_diff=rel, tolerance=tol, padding_grad_max=pad_grad,
+                            compile_s=first, fwd_bwd_ms=median * 1e3,
+                            ok=bool(all(np.isfinite(x) and x <= tol for x in rel.values()) and pad_grad == 0.0))
                     row.update(measured[choice.impl])
                 except Exception as e:     # noqa: BLE001 - one implementation's failure is a result, not the end
                     row.update(_error(e), ok=False)
@@ -358,7 +398,12 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
         times.append(time.perf_counter() - t0)
     seconds = float(np.median(times))
     timed = batches[SCALE_WARMUP:]
-    flops = float(np.mean([bench_train.flops_of(compiled[bench_train._shape(b)]) for b in timed]))
+    model = run.setup.encoder
+    flops = float(np.mean([flops_lib.step_flops(query_params(run.setup.params), model.module.config,
+                                                flops_lib.text_lengths(jax.device_get(b)),
+                                                frozen_base=model.lora is not None).total
+                           for b in timed])) / jax.device_count()
+    compiled_flops = float(np.mean([bench_train.flops_of(compiled[bench_train._shape(b)]) for b in timed]))
     real = float(np.mean([real_tokens(jax.device_get(b)) for b in timed]))
     peak = bench_train.peak_flops(jax.devices()[0])
     heads, kv = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads", hf_config["num_attention_heads"])
@@ -368,7 +413,8 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
     rows = run.setup.build.global_rows
     result = {"rows_per_step": rows, "max_len": list(SCALE_LENS), "compile_s": compile_s, "step_s": seconds,
               "step_times": times, "rows_per_s": rows / seconds, "real_tokens_per_s": real / seconds,
-              "flops_per_step": flops, "mfu": (flops / seconds / peak) if peak and flops else None,
+              "flops_per_step": flops, "flops": "analytic model FLOPs per device (benchmarks/flops.py)",
+              "compiled_flops_per_step": compiled_flops, "mfu": (flops / seconds / peak) if peak and flops else None,
               "compiled_peak_bytes": max(bench_train.peak_bytes(c) for c in compiled.values()),
               "peak_bytes_in_use": _peak_memory(), "loss_last": float(metrics["loss"]),
               "attention_choice": attention.choose(probe, probe_k, causal=decoder).impl,
@@ -380,6 +426,10 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
 
 
 # ----------------------------------------------------------------------------------------------- vs torch
+
+TORCH_LOOP = ("HF transformers, sdpa attention, unpacked (each batch padded to its longest text), eager (no "
+              "torch.compile), bf16 autocast, AdamW, in-batch softmax")
+
 
 def torch_status() -> str | None:
     """Why the PyTorch loop cannot run on this device (None: it can), asked in a child process so that this
@@ -474,18 +524,18 @@ def _table(report: dict) -> str:
     if isinstance(att, dict):
         lines.append(f"attention: {att.get('error', att.get('skipped'))}")
     else:
-        lines.append(f"{'family':<18} {'dtype':<9} {'asked':<9} {'chosen':<9} {'out':>8} {'dq':>8} {'dk':>8} "
-                     f"{'dv':>8} {'ms':>9}  ok")
+        lines.append(f"{'family':<18} {'layout':<11} {'dtype':<9} {'asked':<9} {'chosen':<9} {'out':>8} {'dq':>8} "
+                     f"{'dk':>8} {'dv':>8} {'pad':>7} {'ms':>9}  ok")
         for r in att:
+            head = f"{r['family']:<18} {r.get('layout', '-'):<11} {r['dtype']:<9} {r['asked']:<9} "
             if "error" in r:
-                lines.append(f"{r['family']:<18} {r['dtype']:<9} {r['asked']:<9} {r.get('chosen', '-'):<9} "
-                             f"{r['error']}")
+                lines.append(head + f"{r.get('chosen', '-'):<9} {r['error']}")
                 continue
             d = r["max_rel_diff"]
-            lines.append(f"{r['family']:<18} {r['dtype']:<9} {r['asked']:<9} {r['chosen']:<9} "
-                         + " ".join(f"{d[k]:8.1e}" for k in ("out", "dq", "dk", "dv"))
-                         + f" {r['fwd_bwd_ms']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
-        lines.append("(max |impl - explicit f32| / max |explicit| on real tokens; ms: forward+backward, median)")
+            lines.append(head + f"{r['chosen']:<9} " + " ".join(f"{d[k]:8.1e}" for k in ("out", "dq", "dk", "dv"))
+                         + f" {r['padding_grad_max']:7.1e} {r['fwd_bwd_ms']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
+        lines.append("(max |impl - explicit f32 at highest precision| / max |explicit| on real tokens; pad: largest "
+                     "q/k/v gradient at padding, must be 0; ms: forward+backward, median)")
     num = report["sections"]["numerics"]
     for name in ("bert", "qwen2"):
         e = num.get(name, {})
@@ -506,16 +556,16 @@ def _table(report: dict) -> str:
             if "error" in r or "skipped" in r:
                 lines.append(f"{section} {name}: {r.get('error', r.get('skipped'))}")
             elif section == "scale":
-                mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+                mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}% (analytic)"
                 peak = r["peak_bytes_in_use"] or r["compiled_peak_bytes"]
                 lines.append(f"scale {name}: step {r['step_s'] * 1e3:.0f} ms, {r['rows_per_s']:.0f} rows/s, "
                              f"{r['real_tokens_per_s']:.0f} real tokens/s, MFU {mfu}, peak {peak / 2**30:.1f} GiB, "
                              f"attention {r['attention_choice']}")
             else:
                 lines.append(f"vs_torch {name}: infjax {r['infjax_rows_per_s']:.0f} rows/s, torch "
-                             f"{r['torch_rows_per_s']:.0f} rows/s, ratio {r['ratio']:.2f}x")
+                             f"{r['torch_rows_per_s']:.0f} rows/s, ratio {r['ratio']:.2f}x (torch: {TORCH_LOOP})")
     times = ", ".join(f"{k} {v:.1f} s" for k, v in report.get("section_s", {}).items())
-    lines.append(f"total {report['wall_s']:.1f} s ({times}); written to {report['out']}")
+    lines.append(f"total {report['wall_s']:.1f} s ({times}); report: {report['out']}")
     return "\n".join(lines)
 
 
@@ -529,8 +579,24 @@ def _args(argv: list[str]) -> tuple[str, bool]:
     return fv.out, fv.reduced
 
 
+def writable_file(path: str, flag: str) -> str:
+    """`path` as an absolute path where a file can be written, or a UserError naming `flag` (checked before any
+    work: a report that cannot be written is found now, not after the measurements)."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise errors.UserError(f"{flag}={path}: is a folder; name a file, e.g. {os.path.join(path, 'accelerator.json')}")
+    folder = os.path.dirname(full)
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise errors.UserError(f"{flag}={path}: cannot write in {existing}")
+    return full
+
+
 def main(argv: list[str]) -> None:
     out_path, reduced = _args(argv)
+    out_path = writable_file(out_path, "--out")
     t_start = time.perf_counter()
     accelerator_expected = not runtime_cpu.runs_on_cpu(os.environ)
     torch_reason = None
@@ -575,11 +641,11 @@ def main(argv: list[str]) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - t_start
-    report["out"] = os.path.abspath(out_path)
-    os.makedirs(os.path.dirname(report["out"]), exist_ok=True)
+    report["out"] = out_path
+    print(_table(report))                  # first: the figures are seen whatever happens to the file
+    os.makedirs(os.path.dirname(out_path), exist_ok=True)
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
-    print(_table(report))
 
 
 def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None:
@@ -605,7 +671,8 @@ def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None
                 continue
             mine = scale[name]["rows_per_s"]
             theirs = scale[name]["rows_per_step"] / t["step_s"]      # the same rows per step
-            vs[name] = {"infjax_rows_per_s": mine, "torch_rows_per_s": theirs, "ratio": mine / theirs, "torch": t}
+            vs[name] = {"infjax_rows_per_s": mine, "torch_rows_per_s": theirs, "ratio": mine / theirs, "torch": t,
+                        "torch_loop": TORCH_LOOP}
         except Exception as e:   # noqa: BLE001
             traceback.print_exc()
             vs[name] = _error(e)

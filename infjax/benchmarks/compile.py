@@ -93,12 +93,18 @@ class Report:
                 "real_tokens": self.flops.tokens, "texts": self.flops.texts, "compile_s": self.compile_s}
 
 
+KERNELS = ("__cudnn", "__gpu$xla.gpu.triton", "tpu_custom_call")     # the custom calls of attention kernels
+
+
 def custom_call_counts(hlo: str) -> dict[str, int]:
-    """custom_call_target -> count in a compiled program's text (TPU Mosaic kernels by their names)."""
-    found = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
-    if "tpu_custom_call" in found:
-        for name in re.findall(r'custom_call_target="tpu_custom_call".*?kernel_name\s*=\s*"?([A-Za-z0-9_]+)', hlo):
-            found[f"tpu_custom_call:{name}"] += 1
+    """The attention kernels of a compiled program's text and how many calls of each: cuDNN's and Triton's by
+    their custom-call target, TPU Mosaic kernels by their names (e.g. splash_mha_fwd_segmented)."""
+    found: collections.Counter = collections.Counter()
+    for name, target in re.findall(r'^\s*(?:ROOT )?%([\w.$-]+) = .*custom-call\(.*custom_call_target="([^"]+)"', hlo,
+                                   re.MULTILINE):
+        if target.startswith(KERNELS):
+            stem = re.sub(r"(\.[0-9]+)+$", "", name)          # splash_mha_fwd_segmented.24 -> splash_mha_fwd_segmented
+            found[f"{target}:{stem}" if target == "tpu_custom_call" else target] += 1
     return dict(sorted(found.items()))
 
 

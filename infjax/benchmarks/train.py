@@ -15,10 +15,10 @@ text) in a child process and prints both rows/s, their ratio and both peak memor
 Throughput mode builds the run's sharded state and compiled step exactly as `infjax.train`
 does, tokenizes the batches up front (outside the timing), runs --warmup steps, then times
 --steps steps and prints examples (rows)/s, tokens/s (padded and real) and model-FLOPs
-utilization: FLOPs per step from the compiled step's `cost_analysis()` (XLA's count for the
-partitioned program, i.e. per device; it counts the body of a loop once, so scanned layers and the
-blockwise attention of long rows make it a lower bound), divided by the step time and the device's peak bf16
-FLOP/s (table below; --peak_flops overrides; n/a on CPU).
+utilization: the step's model FLOPs per device, counted from the model's shapes and the real texts of the
+batch (benchmarks/flops.py; XLA's `cost_analysis()` is printed beside it: it counts a scanned layer once
+and kernels as free), divided by the step time and the device's peak bf16 FLOP/s (table below;
+--peak_flops overrides; n/a on CPU).
 
 Sweep mode compiles (without running) the step for each global batch size in rows, with
 gradient caching off and with train.chunk_size=--sweep_chunk, and prints the per-device peak
@@ -36,18 +36,19 @@ import numpy as np
 from absl import flags
 
 from infjax import cli, config as config_lib, errors
-from infjax.benchmarks import shapes as bench_shapes, torch_loop
+from infjax.benchmarks import flops as flops_lib, shapes as bench_shapes, torch_loop
 from infjax.benchmarks.shapes import inf_ir_shaped_records
 from infjax.data.batches import real_tokens
-from infjax.models.encoder import load_encoder
+from infjax.models.encoder import load_encoder, query_params
 from infjax.runtime import cpu as runtime_cpu, mesh as mesh_lib, platform
 
-# device_kind substring -> peak dense bf16 FLOP/s per device
 from infjax.training import setup as setup_lib, state as state_lib
 
-# device_kind substring -> peak dense bf16 FLOP/s per device
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12,
-              "TPU v5e": 197e12}
+# device_kind substring -> peak dense bf16 FLOP/s per device, the first that matches (PCIe and NVL H100s before
+# the SXM part, whose kind says only "H100"; GH200 before H200)
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "GH200": 989e12, "H100": 989e12, "H200": 989e12,
+              "A100": 312e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+              "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12}
 
 
 def peak_flops(device, override: float = 0.0) -> float | None:
@@ -184,14 +185,20 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
     seconds = float(np.median(times))
     rows = setup.build.global_rows
     timed = batches[warmup:]
-    flops = float(np.mean([flops_of(compiled[_shape(b)]) for b in timed]))
+    model = setup.encoder
+    flops = float(np.mean([flops_lib.step_flops(query_params(setup.params), model.module.config,
+                                                flops_lib.text_lengths(jax.device_get(b)),
+                                                frozen_base=model.lora is not None).total
+                           for b in timed])) / jax.device_count()
+    compiled_flops = float(np.mean([flops_of(compiled[_shape(b)]) for b in timed]))
     padded = float(np.mean([sum(int(np.prod(v.shape)) for k, v in _leaves(b) if k.endswith("ids")) for b in timed]))
     real = float(np.mean([real_tokens(jax.device_get(b)) for b in timed]))
     peak = peak_flops(jax.devices()[0], peak_override)
     return {"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}", "mesh": dict(setup.mesh.shape),
             "rows_per_step": rows, "compile_s": compile_s, "step_s": seconds, "examples_per_s": rows / seconds,
             "tokens_per_s_padded": padded / seconds, "tokens_per_s_real": real / seconds,
-            "flops_per_step_per_device": flops, "shapes": len(compiled),
+            "flops_per_step_per_device": flops, "compiled_flops_per_step_per_device": compiled_flops,
+            "shapes": len(compiled),
             "mfu": (flops / seconds / peak) if peak and flops else None,
             "peak_memory_per_device_bytes": max(peak_bytes(c) for c in compiled.values()),
             "real_share": real / padded, "tokens_per_step": padded, "real_tokens_per_step": real,
@@ -268,9 +275,26 @@ def print_lora_table(rows: list[dict], device_bytes: float = 80e9) -> None:
               f"{'yes' if r['peak_bytes_per_device'] <= device_bytes else 'no'}")
 
 
+def sweep_rows(text: str) -> list[int]:
+    """--sweep_rows as row counts, or a UserError naming the flag."""
+    try:
+        rows = [int(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rows = []
+    if not rows or min(rows) < 1:
+        raise errors.UserError(f"--sweep_rows={text!r}: comma-separated global batch sizes in rows, each >= 1")
+    return rows
+
+
 def main(argv: list[str]) -> None:
     fv = _flags(argv)
     config = fv.config
+    for flag, low in (("steps", 1), ("warmup", 0), ("sweep_chunk", 1)):
+        if fv[flag].value < low:
+            raise errors.UserError(f"--{flag}={fv[flag].value}: must be >= {low}")
+    if not fv.peak_flops >= 0:
+        raise errors.UserError(f"--peak_flops={fv.peak_flops}: must be >= 0 (0: from the device table)")
+    rows_to_sweep = sweep_rows(fv.sweep_rows) if fv.sweep_rows else None
     if fv.shape and not (fv.compile_only or fv.lora_table):
         raise errors.UserError(f"--shape={fv.shape} has no weights: use it with --compile_only or --lora_table")
     if fv.vs_full and config.model.lora.rank == 0:
@@ -292,8 +316,8 @@ def main(argv: list[str]) -> None:
     print(f"devices: {platform.describe()}; "
           f"model {config.model.checkpoint}, objective {config.objective}, dtype {config.model.dtype}; "
           f"{runtime_cpu.describe()}")
-    if fv.sweep_rows:
-        rows = [int(r) for r in fv.sweep_rows.split(",") if r.strip()]
+    if rows_to_sweep:
+        rows = rows_to_sweep
         print(f"compiled peak memory per device (arguments + temporaries + outputs - aliased), MiB; "
               f"gradient caching with train.chunk_size={fv.sweep_chunk}")
         print(f"{'rows':>6}  {'plain':>12}  {'gradcache':>12}")
@@ -334,9 +358,9 @@ def main(argv: list[str]) -> None:
           f"{r['tokens_per_s_padded']:.0f} tokens/s in buffers ({r['tokens_per_s_real']:.0f} real; real share "
           f"{100 * r['real_share']:.0f}%)")
     mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (cost_analysis: a loop body counts "
-          f"once, so scanned layers and blockwise attention are undercounted; the CPU attention kernel is not "
-          f"counted); MFU {mfu}; "
+    print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (model FLOPs of the real texts, "
+          f"benchmarks/flops.py; XLA's cost_analysis says {r['compiled_flops_per_step_per_device'] / 1e9:.1f}); "
+          f"MFU {mfu}; "
           f"peak memory {r['peak_memory_per_device_bytes'] / 2**20:.1f} MiB per device (compiled); process max RSS "
           f"{_max_rss_mib():.0f} MiB")
     if fv.vs_full:

@@ -17,6 +17,7 @@ makes infjax's attention choices answer for the devices (models/kernels/__init__
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 from infjax.errors import UserError
@@ -149,13 +150,19 @@ def parse(name: str) -> Target:
 def devices(target: Target) -> list:
     """The compile-only devices of `target`. Raises UserError naming the extra to install where the plugin is
     missing."""
-    from jax.experimental import topologies   # noqa: here: only a compile for a target needs it
+    from jax.experimental import topologies   # here: only a compile for a target needs it
 
     try:
         if target.family == "cuda":
             found = topologies.get_topology_desc(platform="cuda", target_config=target.model.description(),
                                                  topology=target.topology).devices
         else:
+            # libtpu looks for the TPU VM it runs on; a compile-only topology needs none (these keep it quiet)
+            accelerator = (f"v5litepod-{target.count}" if target.model.generation == "v5e" else
+                           f"{target.model.generation}-{target.count * target.model.cores_per_chip}")
+            for key, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                               ("TPU_ACCELERATOR_TYPE", accelerator)):
+                os.environ.setdefault(key, value)
             extra = {"chip_config_name": "megacore"} if target.model.megacore else {}
             found = topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **extra).devices
     except Exception as err:      # noqa: BLE001 - the plugin is missing or refuses: one line naming the fix
