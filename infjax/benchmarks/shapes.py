@@ -58,13 +58,20 @@ def inf_ir_shaped_records(n: int, seed: int = 0) -> list[dict]:
              "hard_negative_document_2": passage()} for _ in range(n)]
 
 
+DECODER_TYPES = ("llama", "qwen2")     # their own tokenizer classes (transformers picks them by model_type)
+BYTE_BPE_VOCAB = 875    # see write_byte_bpe_tokenizer
+
+
 def checkpoint_folder(hf_config: dict, root: str) -> str:
-    """A checkpoint folder with `hf_config` as config.json and a BERT WordPiece tokenizer (`tokenizer_source`; no
-    weights: load it with weights=False and fill the params with `random_params`)."""
+    """A checkpoint folder with `hf_config` as config.json and a tokenizer (no weights: load it with
+    weights=False and fill the params with `random_params`): a BERT WordPiece one (`tokenizer_source`), or for
+    the decoders a byte-level BPE one that their own tokenizer classes read, which transformers picks for them
+    whatever tokenizer_config.json says (given WordPiece files, Qwen2's splits text into single characters)."""
     folder = tempfile.mkdtemp(prefix=f"{hf_config['model_type']}_", dir=root)
-    tokenizer = os.path.join(root, "tokenizer")
+    decoder = hf_config["model_type"] in DECODER_TYPES
+    tokenizer = os.path.join(root, "tokenizer_bpe" if decoder else "tokenizer")
     if not os.path.isdir(tokenizer):
-        write_tokenizer(tokenizer)
+        (write_byte_bpe_tokenizer if decoder else write_tokenizer)(tokenizer)
     for name in os.listdir(tokenizer):
         shutil.copy(os.path.join(tokenizer, name), folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -100,3 +107,22 @@ def write_tokenizer(folder: str) -> None:
     tok = BertWordPieceTokenizer(lowercase=True)
     tok.train_from_iterator(texts, vocab_size=WORDPIECE_VOCAB, min_frequency=1, show_progress=False)
     transformers.BertTokenizerFast(tokenizer_object=tok._tokenizer, do_lower_case=True).save_pretrained(folder)
+
+
+def write_byte_bpe_tokenizer(folder: str) -> None:
+    """A byte-level BPE tokenizer (GPT-2 / Qwen2 files: tokenizer.json, vocab.json, merges.txt) trained on the
+    benchmark's vocabulary, `BYTE_BPE_VOCAB` pieces: sized so that the benchmark's texts get the token counts the
+    embedded MiniLM gives them (within 3%), so the decoder shapes are the paper's lengths too."""
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    os.makedirs(folder)
+    texts = [r[k] for r in inf_ir_shaped_records(200, seed=7) for k in ("query_positive", "instruction_positive",
+                                                                           "document_positive")]
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(texts, vocab_size=BYTE_BPE_VOCAB, min_frequency=1, show_progress=False,
+                            special_tokens=["<|endoftext|>"])
+    tok.save_model(folder)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok._tokenizer, eos_token="<|endoftext|>",
+                                                pad_token="<|endoftext|>")
+    fast.save_pretrained(folder)

@@ -12,6 +12,7 @@ from infjax.models.encoder import Encoder
 from infjax.models.registry import FAMILIES
 from tests.helpers.backbones import VOCAB, tiny_checkpoint
 from tests.helpers.configs import small_config
+from tests.helpers.targets import tiny_folder
 
 # Lengths of 8 texts (<= 16 tokens each): 2 shards of 4, packed into rows of 24 tokens. ModernBERT's tiny
 # config has a local half window of 4, so packs (and single texts) are longer than the window.
@@ -77,7 +78,7 @@ def test_the_encoder_bounds_each_attention_call_by_its_batch(tmp_path_factory, m
     """What reaches the attention kernels as the most texts a row holds: the packed batch's `segments` width,
     and 1 for a padded batch, never the row length."""
     fam = FAMILIES["qwen2"]
-    module, params, _, _ = fam.load(_checkpoint("qwen2", tmp_path_factory))
+    module, params, _, _ = fam.load(tiny_folder("qwen2", tmp_path_factory.mktemp("bound")), weights=False)
     encoder = Encoder(module, "last", fam.padding_side, "qwen2")
     seen = []
     choose = A.choose
@@ -167,7 +168,7 @@ def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
 def _checkpoint(family, tmp_path_factory):
     if family != "bert":
         return tiny_checkpoint(family, tmp_path_factory)[0]
-    import torch
+    torch = pytest.importorskip("torch")
     import transformers
 
     torch.manual_seed(0)
