@@ -534,3 +534,110 @@ def test_every_evaluation_says_how_many_texts_its_lengths_cut(tmp_path, caplog):
                    "passages_cut": n(list(task.corpus.values()), 16)}
     assert 0 < cut["passages_cut"] <= cut["passages"]
     assert f"{cut['passages_cut']} of {cut['passages']} passages cut at 16 tokens" in caplog.text
+
+
+# --------------------------------------------------------------------------
+# Files that contradict themselves, in every loader; pools that leave out judged documents
+# --------------------------------------------------------------------------
+
+
+def _write_mair(folder):
+    """A MAIR task folder (queries.jsonl + docs.jsonl) from the synthetic split."""
+    _jsonl(os.path.join(folder, "docs.jsonl"), [{"id": d, "doc": t} for d, t in SPLIT.corpus.items()])
+    _jsonl(os.path.join(folder, "queries.jsonl"),
+           [{"qid": q, "instruction": SPLIT.instructions_og[q], "query": SPLIT.queries[q],
+             "labels": [{"id": d, "score": g} for d, g in SPLIT.qrels_og[q].items() if g]} for q in SPLIT.queries])
+    return folder
+
+
+def _write_bright(root, doc_shards=1):
+    """A BRIGHT copy (examples/pony-*.parquet, documents/pony-*.parquet in `doc_shards` shards)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.join(root, "examples"), exist_ok=True)
+    os.makedirs(os.path.join(root, "documents"), exist_ok=True)
+    docs = list(SPLIT.corpus.items())
+    for i in range(doc_shards):
+        pq.write_table(pa.Table.from_pylist([{"id": d, "content": t} for d, t in docs[i::doc_shards]]),
+                       os.path.join(root, "documents", f"pony-{i:05d}-of-{doc_shards:05d}.parquet"))
+    rows = [{"id": q, "query": SPLIT.queries[q], "gold_ids": [d for d, g in SPLIT.qrels_og[q].items() if g],
+             "gold_ids_long": [], "excluded_ids": []} for q in SPLIT.queries]
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(root, "examples", "pony-00000-of-00001.parquet"))
+    return root
+
+
+def _rewrite_parquet(path, change):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    pq.write_table(pa.Table.from_pylist(change(rows)), path)
+
+
+@pytest.mark.parametrize("case", ["mair query", "bright query", "bright document"])
+def test_every_loader_refuses_an_id_given_twice_naming_file_row_and_id(tmp_path, case):
+    """Before: the later text kept, both rows' judgments merged (MAIR, BRIGHT examples), or the judged document
+    silently replaced by another row (BRIGHT documents, here in another shard): exit 0 with a confident score."""
+    import pyarrow.parquet as pq
+
+    if case == "mair query":
+        folder = _write_mair(str(tmp_path / "Toy"))
+        path = os.path.join(folder, "queries.jsonl")
+        _append(path, json.dumps({"qid": "q0", "instruction": "other", "query": "another text",
+                                  "labels": [{"id": "q1-d0", "score": 1}]}) + "\n")
+        spec, expected = f"mair:{folder}", f"{path}:{len(_lines(path))}: query id 'q0' appears again (first at line 1)"
+    elif case == "bright query":
+        root = _write_bright(str(tmp_path / "BRIGHT"))
+        path = os.path.join(root, "examples", "pony-00000-of-00001.parquet")
+        _rewrite_parquet(path, lambda rows: rows + [{**rows[0], "query": "another text", "gold_ids": ["q1-d0"]}])
+        spec = f"bright:{root}"
+        expected = f"{path}:{len(SPLIT.queries) + 1}: query id 'q0' appears again (first at line 1)"
+    else:
+        root = _write_bright(str(tmp_path / "BRIGHT"), doc_shards=2)
+        first, second = (os.path.join(root, "documents", f"pony-0000{i}-of-00002.parquet") for i in (0, 1))
+        did = pq.read_table(first).to_pylist()[1]["id"]
+        _rewrite_parquet(second, lambda rows: rows + [{"id": did, "content": "another text"}])
+        spec = f"bright:{root}"
+        expected = (f"{second}:{pq.read_metadata(second).num_rows}: document id {did!r} appears again (first at "
+                    f"{first}:2)")
+    with pytest.raises(DataError, match=re.escape(expected)):
+        eval_data.load(spec)
+
+
+def _pools_without(folder, leave_out):
+    """Rewrite a FollowIR fixture's top_ranked.jsonl without the (query, document) pairs in `leave_out`."""
+    _jsonl(os.path.join(folder, "top_ranked.jsonl"),
+           [{"qid": q, "pid": d} for q, pool in SPLIT.candidates.items() for d in pool if (q, d) not in leave_out])
+
+
+def test_followir_pools_holding_none_of_a_querys_relevant_documents_are_refused(tmp_path):
+    """Pools from another split or id scheme: before, exit 0 with a confident, meaningless p-MRR."""
+    folder = write_followir(str(tmp_path / "core17-instructions"))
+    relevant = {d for qrels in (SPLIT.qrels_og, SPLIT.qrels_changed) for d, g in qrels["q1"].items() if g > 0}
+    _pools_without(folder, {("q1", d) for d in relevant})
+    with pytest.raises(DataError, match=re.escape(f"{folder}/top_ranked.jsonl: the pool of query 'q1' "
+                                                  f"({len(SPLIT.candidates['q1']) - len(relevant)} documents) holds "
+                                                  f"none of its {len(relevant)} relevant documents in ")):
+        eval_data.load(f"followir:{folder}")
+
+
+# --------------------------------------------------------------------------
+# Flags and files checked before the work
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["corpus.jsonl", "queries.jsonl", "qrels/test.tsv"])
+def test_bytes_that_are_not_utf8_in_an_evaluation_file_are_one_line_naming_line_and_byte(tmp_path, capsys, where):
+    folder = write_beir(str(tmp_path / "toy"))
+    path = os.path.join(folder, where)
+    data = open(path, "rb").read()
+    lines = data.split(b"\n")
+    lines[2] = lines[2][:5] + b"\xff\xfe" + lines[2][5:]
+    open(path, "wb").write(b"\n".join(lines))
+    byte = len(lines[0]) + len(lines[1]) + 2 + 5
+    assert evaluate.main(["--model=unused", f"--dataset=beir:{folder}"]) == 2     # the data is read first
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"infjax.evaluate: error: {path}: line 3 (byte {byte}): not UTF-8 text "
+                                        f"(invalid start byte)"]
+
