@@ -57,6 +57,10 @@ class NonFiniteError(errors.RunStopped):
     """A step produced a non-finite loss, gradient or update under train.nonfinite='stop'."""
 
 
+class MostStepsSkipped(errors.RunStopped):
+    """More of the run's steps than train.max_skipped allows were skipped as non-finite: it did not train."""
+
+
 class CheckpointSaveError(errors.RunStopped):
     """A checkpoint could not be written (e.g. the disk is full); the message names the last complete one."""
 
@@ -317,6 +321,7 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
     """Restore or start, evaluate before, train, evaluate after; eval.json."""
     try:                   # the manager is closed on every path (else its threads report errors at exit)
         start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
+        skipped_at_start = int(state.skipped)
         if start >= steps:
             log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
         metrics_log.start(start)
@@ -335,6 +340,8 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
     finally:
         close_checkpoints(ckpts, workdir, quiet=True)
         metrics_log.flush()                    # object stores: the records not yet written
+    summarize_skipped(config, start, int(state.step), int(state.skipped) - skipped_at_start,
+                      ckpts.step_dir(int(state.step)), stopped=bool(preempted))
     if preempted:
         log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
                     preempted, int(state.step), ckpts.step_dir(int(state.step)))
@@ -352,6 +359,26 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
         if jax.process_index() == 0:
             storage.write_text(storage.join(workdir, "eval.json"), json.dumps(results, indent=2))
     return TrainResult(results, int(state.step), losses_seen, state, None)
+
+
+def summarize_skipped(config, start: int, end: int, skipped: int, checkpoint_dir: str, stopped: bool) -> None:
+    """The end-of-run line on non-finite steps: how many of this run's steps (start+1..end) were skipped.
+    A finished run that skipped more than train.max_skipped of them did not train, whatever its last line
+    says: it stops with MostStepsSkipped (exit status 3), its last checkpoint kept as it is. A run stopped by a
+    signal only reports (its resume goes on)."""
+    trained = end - start
+    if trained <= 0:
+        return
+    share = skipped / trained
+    line = (f"steps {start + 1}-{end}: {skipped} of {trained} skipped as non-finite (loss, gradient or update NaN "
+            f"or inf; the parameters were not updated by them)")
+    if stopped or share <= config.train.max_skipped:
+        (log.warning if skipped else log.info)("%s", line)
+        return
+    raise MostStepsSkipped(
+        f"{line}: {share:.0%} of the run, more than train.max_skipped={config.train.max_skipped:g}, so the model "
+        f"did not train. Checkpoint {checkpoint_dir} is kept as it is. Lower train.learning_rate (now "
+        f"{config.train.learning_rate:g}) and start again; --config.train.nonfinite=stop stops at the first such step")
 
 
 def milestone_sets(entry: dict) -> dict:
