@@ -11,7 +11,8 @@ Two kinds of failure reach a command line:
 Every error class of the package that describes bad input derives from
 `UserError`, so an entry point needs one handler, `reported(prog)`: one line
 on stderr, the exit status, no traceback. Anything else is a bug and keeps its
-traceback. Ctrl-C exits 130 with one line.
+traceback. Ctrl-C exits 130 with one line; SIGTERM inside `sigterm_raises` (an export) exits 143 with
+one line, once the interrupted code has cleaned up.
 
 This module imports nothing of infjax: every layer may raise its errors.
 """

@@ -15,10 +15,13 @@ A LoRA run (model.lora.rank > 0) exports the same way, its adapters merged
 into the base weights; with ``--adapter`` DIR is instead a PEFT folder of
 the adapters alone (infjax.models.hf.peft), for the base model it names.
 
+Before anything is written the model embeds a few fixed texts: a model whose
+embeddings are NaN or inf (its parameters may be finite) is refused.
 Everything is written into a temporary folder next to DIR and renamed into
-place at the end, so a failure never leaves a half-written DIR. Exit code 2
-on user errors (no such run or step, non-empty DIR without --overwrite, a
-bad size).
+place at the end, so a failure, Ctrl-C or SIGTERM never leaves a half-written
+DIR. Exit code 2 on user errors (no such run or step, non-empty DIR without
+--overwrite, a bad size, too little disk), 3 when the disk fills part-way,
+143 on SIGTERM. --base_checkpoint names a run's base checkpoint that moved.
 """
 from __future__ import annotations
 

@@ -12,7 +12,10 @@ the pooling its sentence-transformers files name (else mean), so untrained
 baselines are measured exactly as trained runs. A sentence-transformers
 folder is encoded on torch by sentence-transformers itself (its own pooling
 and normalization); a `modules.json` folder can also be read by infjax with
-`model_type="hf"`.
+`model_type="hf"`. An infjax export of separate encoders (`query/` and
+`passage/`) encodes queries with the first and passages with the second; an
+export with an Interaction II head (HEAD_FILE) is read by infjax with it,
+instruction and query encoded apart, as the run is.
 """
 from __future__ import annotations
 
