@@ -480,7 +480,7 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                           "base": base or base_path, "family": family}, needed)
 
 
-FULL_DISK = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)      # a full disk, a full quota
 
 
 def tree_bytes(tree) -> int:

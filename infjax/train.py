@@ -412,7 +412,8 @@ def last_complete(ckpts: checkpoint.Checkpoints, when: str = "") -> str:
     last = ckpts.complete_steps()
     if not last:
         return "no checkpoint of this run is complete"
-    return f"the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with --config.resume=True{when})"
+    return (f"the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
+            f"--config.resume=True{when})")
 
 
 def summarize_skipped(config, start: int, end: int, skipped: int, checkpoint_dir: str, stopped: bool) -> None:
