@@ -127,6 +127,8 @@ def parse(prog: str, define: Callable[[flags.FlagValues], None], argv: Iterable[
     if any(a in HELP for a in options):
         print(help_text(prog, fv, doc, required))
         raise SystemExit(0)
+    if "config" in fv and repeated_config(options):
+        fail(prog, repeated_config(options))
     try:
         rest = fv([prog, *argv])
         if len(rest) > 1:
@@ -151,6 +153,21 @@ CONFIG_ERRORS = (AttributeError, KeyError, ValueError, TypeError, OSError, Synta
 
 
 _PARSING: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("infjax_cli_argv", default=None)
+
+
+def repeated_config(argv: list[str]) -> str | None:
+    """The error line for a command line with more than one `--config` file (ml_collections would silently
+    take the later file, or fail on its overrides with "defined twice", naming neither), else None."""
+    given = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config="):
+            given.append(arg.split("=", 1)[1])
+        elif arg == "--config" and i + 1 < len(argv):
+            given.append(argv[i + 1])
+    if len(given) < 2:
+        return None
+    return (f"--config is given {len(given)} times ({', '.join(given)}): give one config file and change its keys "
+            f"with --config.KEY=VALUE")
 
 
 def define_config(fv: flags.FlagValues, help: str, lock_config: bool = True) -> None:

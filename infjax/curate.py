@@ -50,6 +50,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float("timeout", 60.0, "Seconds per request before it is abandoned and retried (openai).", flag_values=fv)
     flags.DEFINE_integer("max_retries", 4, "Retries of a request after 429/5xx/timeouts (openai).", flag_values=fv)
     flags.DEFINE_float("backoff", 1.0, "First retry wait in seconds when the server gives no Retry-After.", flag_values=fv)
+    flags.DEFINE_float("max_wait", 120.0, "Longest wait in seconds before a retry, whatever the server's Retry-After "
+                                          "asks (openai).", flag_values=fv)
     flags.DEFINE_integer("max_attempts", 3, "Answers asked per request before a malformed one counts as failed.", flag_values=fv)
     flags.DEFINE_float("temperature", 0.0, "Sampling temperature of the first attempt (0 = greedy).", flag_values=fv)
     flags.DEFINE_float("retry_temperature", 0.7, "Temperature of later attempts when --temperature is 0.", flag_values=fv)
@@ -91,9 +93,9 @@ def validate(f: flags.FlagValues) -> list[str]:
                       ("passage_max_tokens", 1), ("distractors", 0), ("chunk_size", 0), ("local_batch", 1)):
         if getattr(f, flag) < low:
             raise bad(flag, f"must be >= {low}")
-    for flag in ("timeout", "backoff"):
-        if getattr(f, flag) <= 0:
-            raise bad(flag, "must be > 0")
+    for flag in ("timeout", "backoff", "max_wait"):
+        if not getattr(f, flag) > 0 or getattr(f, flag) == float("inf"):
+            raise bad(flag, "must be a finite number > 0")
     for flag in ("temperature", "retry_temperature"):
         if getattr(f, flag) < 0:
             raise bad(flag, "must be >= 0")
@@ -140,7 +142,7 @@ def run(f: flags.FlagValues) -> dict:
     if f.backend == "openai":
         key = os.environ.get(f.api_key_env, "")
         options = dict(api_key=key, concurrency=f.concurrency, timeout=f.timeout, max_retries=f.max_retries,
-                       backoff=f.backoff)
+                       backoff=f.backoff, max_wait=f.max_wait)
         generator = OpenAIBackend(f.base_url, f.model, cache, **options)
         judge = generator if judge_model == f.model else OpenAIBackend(f.base_url, judge_model, cache, **options)
         chunk = f.chunk_size or 4 * f.concurrency

@@ -11,7 +11,8 @@ Two kinds of failure reach a command line:
 Every error class of the package that describes bad input derives from
 `UserError`, so an entry point needs one handler, `reported(prog)`: one line
 on stderr, the exit status, no traceback. Anything else is a bug and keeps its
-traceback. Ctrl-C exits 130 with one line.
+traceback. Ctrl-C exits 130 with one line; SIGTERM inside `sigterm_raises` (an export) exits 143 with
+one line, once the interrupted code has cleaned up.
 
 This module imports nothing of infjax: every layer may raise its errors.
 """
@@ -20,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import signal
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -37,6 +40,14 @@ class RunStopped(Exception):
     """A started run stopped for a cause the user must look at; the message says what was kept."""
 
     exit_code = 3
+
+
+class Terminated(BaseException):
+    """SIGTERM inside `sigterm_raises`: raised where the program is, so that its cleanup (a temporary folder)
+    runs as it does for Ctrl-C. A BaseException, as KeyboardInterrupt is, so that no `except Exception` of a
+    library swallows it. Exit status 143 (128 + SIGTERM), as for a process the signal ends."""
+
+    exit_code = 128 + signal.SIGTERM
 
 
 # Built-in errors whose message already names the path (FileNotFoundError: [Errno 2] ...: 'x').
@@ -57,7 +68,7 @@ def describe(error: BaseException) -> str:
 
 def exit_code(error: BaseException) -> int | None:
     """The exit status for an error an entry point reports in one line; None for a bug (keep the traceback)."""
-    if isinstance(error, (UserError, RunStopped)):
+    if isinstance(error, (UserError, RunStopped, Terminated)):
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         return EXIT_INTERRUPTED
@@ -83,6 +94,38 @@ def report(prog: str, error: BaseException, log=None) -> int | None:
     else:
         print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+@contextlib.contextmanager
+def sigterm_raises(what: str):
+    """Inside: SIGTERM raises Terminated("terminated (SIGTERM) `what`") in the main thread, so that the code it
+    interrupts cleans up on its way out (nothing else happens in other threads, or outside the block)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):   # noqa: ARG001
+        raise Terminated(f"terminated (SIGTERM) {what}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def sigterm_held():
+    """Inside: SIGTERM waits (blocked) until the block is done, for a few steps that must not be cut apart
+    (renaming a finished folder into place); a signal that arrived meanwhile is delivered at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _closed_loop_callback(unraisable) -> bool:
@@ -151,7 +194,7 @@ def reported(prog: str, log=None):
     try:
         with closed_loop_callbacks_counted(prog, log), library_errors_one_line():
             yield
-    except (Exception, KeyboardInterrupt) as e:   # noqa: BLE001 - report() sorts reportable errors from bugs
+    except (Exception, KeyboardInterrupt, Terminated) as e:   # noqa: BLE001 - report() sorts errors from bugs
         code = report(prog, e, log)
         if code is None:
             raise

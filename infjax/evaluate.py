@@ -7,10 +7,13 @@
     python -m infjax.evaluate --model=exported/ --dataset=mair:CliniDS_2016
     python -m infjax.evaluate --model=runs/x --dataset=bright:biology
 
---model: an infjax run directory (latest step, or --step), a sentence-transformers
-folder (modules.json; encoded by sentence-transformers on torch), or a HF
-checkpoint (hub id, local folder, or embedded:all-MiniLM-L6-v2; encoded by
-infjax with --pooling/--query_template/--query_prefix/--passage_prefix).
+--model: an infjax run directory (latest step, or --step; --base_checkpoint
+when its base checkpoint moved), a sentence-transformers folder (modules.json;
+encoded by sentence-transformers on torch; an export of separate encoders,
+query/ and passage/, too; an export with an Interaction II head is encoded by
+infjax with the head), or a HF checkpoint (hub id, local folder, or
+embedded:all-MiniLM-L6-v2; encoded by infjax with
+--pooling/--query_template/--query_prefix/--passage_prefix).
 --dataset: KIND:PATH_OR_ID (docs/evaluation.md lists the kinds and their layouts).
 
 Metrics (pytrec_eval): FollowIR and synthetic: MAP@1000 and nDCG@5 of the
@@ -79,6 +82,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     s("dataset", None, "KIND:PATH_OR_ID, KIND in " + ", ".join(datasets.KINDS))
     s("out", None, "write summary.json, meta.json, per_query.json and TREC runs here")
     i("step", None, "checkpoint step of a run directory (default: latest)")
+    s("base_checkpoint", None, "a run directory's base checkpoint (its model.checkpoint: a folder or hub id) where "
+                               "it is now, when it moved since the run was trained")
     e("model_type", "auto", ["auto", "run", "sentence_transformers", "hf"],
       "how to read --model (auto: run dir > folder with modules.json > HF checkpoint)")
     i("batch_size", 64, "texts per encoder call")
@@ -147,6 +152,14 @@ def truncation(model, task) -> dict | None:
             "passages_cut": sum(n > model.passage_max_len for n in p_len)}
 
 
+def pool_coverage(task) -> dict:
+    """FollowIR: {"relevant_outside_pool": {query id: judged relevant documents its pool leaves out}} (the
+    queries with any; they lower that query's scores); {} for the other tasks."""
+    if isinstance(task, datasets.FollowIRTask):
+        return {"relevant_outside_pool": dict(task.relevant_outside_pool)}
+    return {}
+
+
 def check_out(out: str, args) -> bool:
     """Whether `out` holds files to replace: an earlier evaluation of the same --model and --dataset, or
     anything with --overwrite. Any other non-empty folder is refused before the work starts."""
@@ -165,6 +178,19 @@ def check_out(out: str, args) -> bool:
                     f"its content")
 
 
+def check_folder_flag(flag: str, folder: str | None) -> None:
+    """Refuse a folder flag (--out, --cache_dir) that names a file, or a place that cannot be written (a
+    read-only file system, a path under a file), before any data or model is read."""
+    if not folder:
+        return
+    path = folder if storage.is_remote(folder) else os.path.expanduser(folder)
+    if storage.exists(path) and not storage.isdir(path):
+        raise DataError(f"{flag}={folder} exists and is not a folder")
+    why = storage.unwritable(path)
+    if why:
+        raise DataError(f"{flag}={folder}: cannot write there: {why}")
+
+
 def run_evaluation(args: flags.FlagValues) -> dict:
     """Load the model and dataset of `args`, evaluate, print, write; returns {"summary", "meta", "results"}."""
     attention.requested()      # the $INFJAX_ATTENTION switch, refused before anything is read
@@ -175,11 +201,8 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     kind = datasets.parse_spec(args.dataset)[0]
     out = storage.absolute(args.out) if args.out and storage.is_remote(args.out) else \
         (os.path.expanduser(args.out) if args.out else None)
-    if out and storage.exists(out) and not storage.isdir(out):
-        raise DataError(f"--out={args.out} exists and is not a folder")   # before the (slow) evaluation
-    why = storage.unwritable(out) if out else None
-    if why:
-        raise DataError(f"--out={args.out}: cannot write there: {why}")
+    for flag, folder in (("--out", args.out), ("--cache_dir", args.cache_dir)):   # before the (slow) evaluation
+        check_folder_flag(flag, folder)
     replace = out is not None and check_out(out, args)
 
     def load_data(synthetic_defaults=None):
@@ -194,7 +217,8 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     model = load_model(args.model, model_type=args.model_type, step=args.step, batch_size=args.batch_size,
                        pooling=args.pooling, query_template=args.query_template, query_prefix=args.query_prefix,
                        passage_prefix=args.passage_prefix, query_max_len=args.query_max_len,
-                       passage_max_len=args.passage_max_len, dtype=args.dtype, progress=not args.no_progress)
+                       passage_max_len=args.passage_max_len, dtype=args.dtype, progress=not args.no_progress,
+                       base_checkpoint=args.base_checkpoint)
     t_model = time.perf_counter()
     if tasks is None:
         tasks = load_data(model.synthetic)
@@ -215,7 +239,7 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     summary = mean_summary(results)
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],
             "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"],
-                       "truncation": cuts.get(r["name"])} for r in results],
+                       "truncation": cuts.get(r["name"]), **pool_coverage(task)} for task, r in zip(tasks, results)],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
                         "evaluate": t_eval - t_data2}}
     if jax.process_index() != 0:         # several processes computed the same results; one reports them

@@ -15,13 +15,17 @@ A LoRA run (model.lora.rank > 0) exports the same way, its adapters merged
 into the base weights; with ``--adapter`` DIR is instead a PEFT folder of
 the adapters alone (infjax.models.hf.peft), for the base model it names.
 
+Before anything is written the model embeds a few fixed texts: a model whose
+embeddings are NaN or inf (its parameters may be finite) is refused.
 Everything is written into a temporary folder next to DIR and renamed into
-place at the end, so a failure never leaves a half-written DIR. Exit code 2
-on user errors (no such run or step, non-empty DIR without --overwrite, a
-bad size).
+place at the end, so a failure, Ctrl-C or SIGTERM never leaves a half-written
+DIR. Exit code 2 on user errors (no such run or step, non-empty DIR without
+--overwrite, a bad size, too little disk), 3 when the disk fills part-way,
+143 on SIGTERM. --base_checkpoint names a run's base checkpoint that moved.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -30,48 +34,25 @@ import sys
 import tempfile
 from typing import Any, Mapping
 
+import jax
 import numpy as np
 from absl import flags
 
 from infjax import cli, errors
-from infjax.data.tokenize import Tokenizer
+from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
+from infjax.inference.probe import check_outputs
+from infjax.inference.sources import HEAD_FILE, st_max_seq_length
 from infjax.models.encoder import EMBEDDED
 from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
-from infjax.runtime import storage
+from infjax.runtime import checkpoint, storage
 from infjax.runtime.restore import check_finite, load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-INTERACTION_FILE = "interaction_head.safetensors"
+INTERACTION_FILE = HEAD_FILE             # an Interaction II run's head, beside the encoder folder(s)
 MARKER_FILE = "infjax-export.json"        # written into every export: what --overwrite may replace
 _README_TITLE = "# InF-Embed bi-encoder (exported by infjax)"
-INTERACTION_README = """
-## Interaction II (cross-attention) head
-
-This run combines instruction and query with the learned head in
-`interaction_head.safetensors` (float32 `w_i`, `w_q1`, `w_q2`, each d x d;
-infjax.models.interaction). The passage embedding is the encoder's as usual.
-The instruction-aware query embedding is NOT the encoder's output for one
-text; build it from the instruction I and the query Q encoded apart (each
-with the query prefix):
-
-```python
-import torch
-from safetensors.torch import load_file
-from sentence_transformers import SentenceTransformer
-from transformers import AutoModel, AutoTokenizer
-
-head = load_file("DIR/interaction_head.safetensors")
-st, model, tok = SentenceTransformer("DIR"), AutoModel.from_pretrained("DIR"), AutoTokenizer.from_pretrained("DIR")
-i = st.encode([prefix + I], convert_to_tensor=True)[0]                 # pooled, L2-normalized
-t = tok([prefix + Q], return_tensors="pt")
-h = model(**t).last_hidden_state[0]                                     # the query's token states
-logits = (i @ head["w_i"]) @ (h @ head["w_q1"]).T / h.shape[-1] ** 0.5  # one key per real token
-iq = torch.softmax(logits, -1) @ (h @ head["w_q2"])
-iq = iq / iq.norm()                                                     # score: iq @ passage embedding
-```
-"""
 
 # sentence-transformers pooling config key per infjax pooling kind.
 _ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "last": "pooling_mode_lasttoken"}
@@ -81,6 +62,10 @@ _ST_POOLING_KEYS = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooli
 
 class ExportError(UserError):
     """A user error (bad arguments, existing output); the message says what to change."""
+
+
+class ExportStopped(errors.RunStopped):
+    """An export that had to stop part-way (its disk filled); the message says that --out is unchanged."""
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -156,17 +141,6 @@ def write_tokenizer(folder: str, base_path: str, padding_side: str) -> None:
     _write_json(path, config)
 
 
-def base_max_seq_length(base_path: str) -> int | None:
-    """The base checkpoint's own sentence-transformers max_seq_length, if its folder states one."""
-    path = os.path.join(base_path, "sentence_bert_config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f).get("max_seq_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
 def _check_max_seq_length(max_seq_length: int | None) -> None:
     if max_seq_length is not None and max_seq_length < 1:
         raise ExportError(f"--max_seq_length must be >= 1, got {max_seq_length}")
@@ -179,7 +153,7 @@ def inference_length(trained: int, base_path: str, hf_config: Mapping[str, Any])
     Training often truncates harder than the base model reads (the embedded default: 48 tokens, MiniLM's
     own 256). Declaring the training length would make every sentence-transformers user truncate
     documents there, which reads as lost retrieval quality; fine-tuning does not shorten the model."""
-    length = max(trained, base_max_seq_length(base_path) or 0)
+    length = max(trained, st_max_seq_length(base_path) or 0)
     positions = hf_config.get("max_position_embeddings")
     return min(length, int(positions)) if isinstance(positions, int) and positions >= trained else length
 
@@ -233,10 +207,47 @@ def write_head(folder: str, head: Mapping) -> None:
 # --------------------------------------------------------------------------
 
 
+def interaction_readme(q_folder: str, query_prefix: str) -> str:
+    """How to build the instruction-aware query embedding of an Interaction II export (its head): the
+    README's query recipe, which comes before anything else about queries."""
+    return f"""
+## Queries: the Interaction II head (read this first)
+
+This run combines instruction and query with the learned head in
+`interaction_head.safetensors` (float32 `w_i`, `w_q1`, `w_q2`, each d x d;
+infjax.models.interaction). The instruction-aware query embedding is NOT the
+encoder's output for one text: encoding `query + " " + instruction` with
+sentence-transformers ignores the head and scores another model. Build it from
+the instruction I and the query Q encoded apart, each with the query prefix
+(`prefix` below):
+
+```python
+import torch
+from safetensors.torch import load_file
+from sentence_transformers import SentenceTransformer
+from transformers import AutoModel, AutoTokenizer
+
+prefix = {query_prefix!r}
+head = load_file("DIR/{INTERACTION_FILE}")
+st = SentenceTransformer("{q_folder}")
+model, tok = AutoModel.from_pretrained("{q_folder}"), AutoTokenizer.from_pretrained("{q_folder}")
+i = st.encode([prefix + I], convert_to_tensor=True)[0]                 # pooled, L2-normalized
+t = tok([prefix + Q], return_tensors="pt")
+h = model(**t).last_hidden_state[0]                                     # the query's token states
+logits = (i @ head["w_i"]) @ (h @ head["w_q1"]).T / h.shape[-1] ** 0.5  # one key per real token
+iq = torch.softmax(logits, -1) @ (h @ head["w_q2"])
+iq = iq / iq.norm()                                                     # score: iq @ passage embedding
+```
+
+`python -m infjax.evaluate --model=DIR ...` evaluates this folder with its head.
+"""
+
+
 def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding_side: str, query_template: str,
                 query_prefix: str, passage_prefix: str, query_max_len: int, passage_max_len: int, run: str = "",
-                step: int | None = None, max_seq_length: dict[str, int] | None = None) -> str:
-    """A short README: what the folder is and how to build query/passage text."""
+                step: int | None = None, max_seq_length: dict[str, int] | None = None, head: bool = False) -> str:
+    """A short README: what the folder is and how to build query/passage text. With an Interaction II `head`
+    the head's query recipe comes first, and no one-text query recipe is given (it would ignore the head)."""
     trained = (f" from run `{run}`" + (f" at step {step}" if step is not None else "")) if run else ""
     lengths = ", ".join(f"{k or 'the folder'}: {v}" for k, v in (max_seq_length or {}).items()) or "as trained"
     if separate:
@@ -247,21 +258,38 @@ def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding
         layout = ("One encoder for instruction-queries and passages (Hugging Face +\n"
                   "sentence-transformers format).")
         q_folder = p_folder = "DIR"
-    return f"""{_README_TITLE}
+    intro = f"""{_README_TITLE}
 
 Base checkpoint `{base}` ({family}), fine-tuned with infjax{trained}.
 {layout}
 Embeddings: {pooling} pooling of the last hidden states ({padding_side} padding),
 L2-normalized; score = dot product (= cosine).
+"""
+    truncation = f"""sentence-transformers truncates at `max_seq_length` ({lengths}): the longer of
+the training length and the base model's own."""
+    if head:
+        return intro + interaction_readme(q_folder, query_prefix) + f"""
+## Passages
 
+- Passage: `{passage_prefix!r} + passage` (at most {passage_max_len} tokens in training);
+  instruction and query at most {query_max_len} tokens each in training.
+
+{truncation}
+
+```python
+p_model = SentenceTransformer("{p_folder}")
+p = p_model.encode(["..."], prompt_name="document", convert_to_tensor=True)
+scores = p @ iq
+```
+"""
+    return intro + f"""
 ## Text to encode
 
 - Query: `{query_prefix!r} + {query_template!r}.format(instruction=I, query=Q).strip()`
   (instruction and query in one text; at most {query_max_len} tokens in training).
 - Passage: `{passage_prefix!r} + passage` (at most {passage_max_len} tokens in training).
 
-sentence-transformers truncates at `max_seq_length` ({lengths}): the longer of
-the training length and the base model's own.
+{truncation}
 
 The prefixes are stored as sentence-transformers prompts (`query`, `document`);
 the template is not, so format the query text yourself:
@@ -445,22 +473,49 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                 padding_side=padding_side, query_template=query_template,
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
                                 query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step,
-                                max_seq_length={sub: n for sub, (_, n) in parts.items()})
-                    + (INTERACTION_README if head is not None else ""))
+                                max_seq_length={sub: n for sub, (_, n) in parts.items()}, head=head is not None))
 
+    needed = tree_bytes(params) + len(parts) * tokenizer_bytes(base_path)
     return _write_atomically(out, write, {"run": storage.absolute(run) if run else None, "step": step,
-                                          "base": base or base_path, "family": family})
+                                          "base": base or base_path, "family": family}, needed)
 
 
-def _write_atomically(out: str, write, marker: dict) -> str:
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)      # a full disk, a full quota
+
+
+def tree_bytes(tree) -> int:
+    """Bytes of the float32 files an export writes for the arrays of `tree` (it writes float32)."""
+    return sum(int(np.prod(np.shape(x))) * 4 for x in jax.tree_util.tree_leaves(tree))
+
+
+def tokenizer_bytes(base_path: str) -> int:
+    """Bytes of the base checkpoint's tokenizer files, which every exported folder gets a copy of."""
+    names = [n for n in os.listdir(base_path) if n.startswith(("tokenizer", "vocab", "merges", "special_tokens"))] \
+        if os.path.isdir(base_path) else []
+    return sum(os.path.getsize(os.path.join(base_path, n)) for n in names)
+
+
+def check_free_space(out: str, folder: str, needed: int) -> None:
+    """Refuse an export that cannot fit on the disk of `folder` (where its temporary folder goes), naming the
+    flag, the folder and the sizes, as training's checks do."""
+    free = checkpoint.free_bytes(folder)
+    if free < needed:
+        raise ExportError(f"--out={out}: {free / 2**30:.2f} GiB free on the disk of {folder}, but the export needs "
+                          f"about {needed / 2**30:.2f} GiB; free some space or choose another --out")
+
+
+def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> str:
     """Run ``write(tmp)`` on a temporary folder beside ``out`` (mode per the umask), add the marker file and
-    rename it into place (object stores: upload, see `_upload`); on any failure the temporary folder is
-    removed and ``out`` is left as it was. Returns ``out``."""
+    rename it into place (object stores: upload, see `_upload`); on any failure, Ctrl-C or SIGTERM the
+    temporary folder is removed and ``out`` is left as it was. An export of about ``needed_bytes`` that does not
+    fit is refused before anything is written; a disk that fills while writing stops it (ExportStopped) naming
+    --out, the folder and the sizes. Returns ``out``."""
     remote = storage.is_remote(out)
     parent = None if remote else os.path.dirname(out)
     if parent is not None:
         os.makedirs(parent, exist_ok=True)
         remove_stale_temporaries(out)
+    check_free_space(out, parent or tempfile.gettempdir(), needed_bytes)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{os.getpid()}-", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
@@ -468,10 +523,25 @@ def _write_atomically(out: str, write, marker: dict) -> str:
     try:
         write(tmp)
         _write_json(os.path.join(tmp, MARKER_FILE), marker)
-        if remote:
-            _upload(tmp, out)
-        else:
-            _publish(tmp, out)
+        with errors.sigterm_held():           # the renames that put DIR in place are never cut apart
+            if remote:
+                _upload(tmp, out)
+            else:
+                _publish(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno not in FULL_DISK:
+            raise
+        folder = os.path.dirname(tmp)
+        raise ExportStopped(f"--out={out}: the disk of {folder} filled while the export was written "
+                            f"({errors.describe(e)}); it needs about {needed_bytes / 2**30:.2f} GiB, "
+                            f"{checkpoint.free_bytes(folder) / 2**30:.2f} GiB are free now. The unfinished export "
+                            f"was removed and --out is as it was; free some space or choose another --out") from None
+    except errors.Terminated as e:
+        unfinished = os.path.exists(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise errors.Terminated(f"{e}; removed the unfinished export {tmp}, --out={out} is as it was" if unfinished
+                                else f"{e} after the export to --out={out} was complete") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -507,15 +577,21 @@ def export_adapters(out: str, run, workdir: str) -> str:
             write_head(tmp, run.adapters["interaction"])
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
             f.write(adapter_readme(base, run.encoder.family, run.encoder.pooling, run.encoder.padding_side,
-                                   run.config.data, [t for t in towers if t != "shared"], run.step)
-                    + (INTERACTION_README if "interaction" in run.adapters else ""))
+                                   run.config.data, [t for t in towers if t != "shared"], run.step,
+                                   head="interaction" in run.adapters))
+    needed = tree_bytes(run.adapters) + len(towers) * tokenizer_bytes(run.base_path)
     return _write_atomically(out, write, {"run": workdir, "step": run.step, "base": base,
-                                          "family": run.encoder.family, "adapter": True})
+                                          "family": run.encoder.family, "adapter": True}, needed)
 
 
 def adapter_readme(base: str, family: str, pooling: str, padding_side: str, data, towers: list[str],
-                   step: int) -> str:
+                   step: int, head: bool = False) -> str:
     folder = "DIR/query" if towers else "DIR"
+    query = (f"Queries are NOT one text: this run combines the instruction and the query, encoded apart (each "
+             f"with the prefix {data.query_prefix!r}), with the Interaction II head in `{INTERACTION_FILE}`; the "
+             f"merged export (`python -m infjax.export` without `--adapter`) gives the recipe in its README"
+             if head else
+             f"Query text: `{data.query_prefix!r} + {data.query_template!r}.format(instruction=I, query=Q).strip()`")
     return f"""{_README_TITLE}
 
 LoRA adapters (PEFT format) for `{base}` ({family}), trained with infjax (step {step}).
@@ -532,7 +608,7 @@ model = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{folder}
 tokenizer = AutoTokenizer.from_pretrained("{folder}")
 ```
 
-Query text: `{data.query_prefix!r} + {data.query_template!r}.format(instruction=I, query=Q).strip()`;
+{query};
 passage text: `{data.passage_prefix!r} + passage`. For a sentence-transformers folder with the adapters
 merged in, run `python -m infjax.export` without `--adapter`.
 """
@@ -540,15 +616,20 @@ merged in, run `python -m infjax.export` without `--adapter`.
 
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None,
-               adapter: bool = False) -> str:
+               adapter: bool = False, base_checkpoint: str | None = None) -> str:
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`.
     A LoRA run exports merged (base + scale * A B in every adapted kernel), or with ``adapter`` as PEFT
-    adapters (`export_adapters`)."""
+    adapters (`export_adapters`). ``base_checkpoint`` names the run's base checkpoint where it is now (it
+    moved since the run). The model's embeddings of a few fixed texts must be finite (`check_outputs`)."""
     out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
     parse_size(max_shard_size)
     _check_max_seq_length(max_seq_length)
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
-    run = load_run(workdir, step, on_host=True)      # the parameters only, as host arrays
+    run = load_run(workdir, step, on_host=True, base=base_checkpoint)   # the parameters only, as host arrays
+    data = run.config.data
+    check_outputs(run.encoder, run.params, Tokenizer(run.base_path, run.encoder.padding_side),
+                  TextFormat(data.query_template, data.query_prefix, data.passage_prefix),
+                  f"export of {workdir} step {run.step}")
     if adapter:
         return export_adapters(out_abs, run, workdir)
     config = run.config
@@ -579,15 +660,18 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_bool("adapter", False, "LoRA runs: write the adapters as a PEFT folder (adapter_config.json + "
                       "adapter_model.safetensors for peft.PeftModel.from_pretrained) instead of a merged model",
                       flag_values=fv)
+    flags.DEFINE_string("base_checkpoint", None, "the run's base checkpoint (its model.checkpoint: a folder or hub "
+                        "id) where it is now, when it moved since the run was trained", flag_values=fv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse(PROG, define_flags, sys.argv[1:] if argv is None else argv, doc=__doc__.split("\n\n")[0],
                      required=("workdir", "out"))
     try:
-        out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
-                         args.max_seq_length, args.adapter)
-    except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
+        with errors.sigterm_raises("during the export"):     # SIGTERM cleans up as Ctrl-C does
+            out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
+                             args.max_seq_length, args.adapter, args.base_checkpoint)
+    except (Exception, KeyboardInterrupt, errors.Terminated) as e:    # noqa: BLE001 - report() re-raises bugs
         code = errors.report("infjax.export", e)
         if code is None:
             raise

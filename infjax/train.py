@@ -9,6 +9,7 @@ together (data, models, losses, training) are pure or near it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -55,6 +56,10 @@ def check_resume_request(workdir: str, resume: bool) -> None:
 
 class NonFiniteError(errors.RunStopped):
     """A step produced a non-finite loss, gradient or update under train.nonfinite='stop'."""
+
+
+class MostStepsSkipped(errors.RunStopped):
+    """More of the run's steps than train.max_skipped allows were skipped as non-finite: it did not train."""
 
 
 class CheckpointSaveError(errors.RunStopped):
@@ -137,10 +142,6 @@ class Evaluator:
         self.pair_embedder = (CrossAttentionQueryEmbedder(encoder, mesh, setup.tokenizer, setup.fmt,
                                                           config.eval.batch_size)
                               if config.model.interaction == "cross_attention" else None)
-
-    def preload(self, specs: list[str]) -> None:
-        """Read the datasets now: a bad file fails before anything compiles."""
-        preload(specs, synthetic_defaults=self.synthetic_defaults)
 
     def __call__(self, state, specs: list[str]) -> dict[str, dict[str, float]]:
         qlen, plen = self.config.data.query_max_len, self.config.data.passage_max_len
@@ -260,37 +261,59 @@ def run(config, workdir: str) -> TrainResult:
 
     The workdir is locked for the run (one run per workdir; process 0 holds the lock). Every path of the run
     derives from one root: `workdir` made absolute with `~` expanded (`--workdir=~/x` reaches the shell
-    unexpanded), or the URL of an object store."""
+    unexpanded), or the URL of an object store. Several processes start together or not at all: one that
+    cannot start (its config, its files) stops the others before their first collective."""
     workdir = storage.absolute(workdir)
-    config_lib.validate(config, jax.device_count(), jax.process_count())
-    mismatch = config_lib.preset_mismatch(config)
-    if mismatch:
-        log.warning(mismatch)
-    log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
-             jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())
-    log.info(runtime_cpu.describe())
-    with workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0):
-        return _run(config, workdir)
+    with contextlib.ExitStack() as held:
+        with distributed.all_or_none("before training started"):
+            config_lib.validate(config, jax.device_count(), jax.process_count())
+            mismatch = config_lib.preset_mismatch(config)
+            if mismatch:
+                log.warning(mismatch)
+            log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
+                     jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())
+            log.info(runtime_cpu.describe())
+            held.enter_context(workdir_lib.WorkdirLock(workdir, enabled=jax.process_index() == 0))
+            check_resume_request(workdir, config.resume)
+            inputs = [read_inputs(config)]     # held in a list: _run takes the only reference, and the
+        return _run(config, workdir, inputs.pop())   # initial parameters are freed once the state holds them
 
 
-def _run(config, workdir: str) -> TrainResult:
-    check_resume_request(workdir, config.resume)
+class RunInputs(NamedTuple):
+    """What a run reads before anything compiles (each process alone, no collective)."""
 
-    # Data and model: files are read here, before anything compiles.
+    encoder: object
+    params: dict
+    model_path: str
+    records: list[dict]
+    fingerprint: dict
+    objective: object
+    specs: list[str]                  # eval.sets
+    canaries: list[str]               # eval.canary
+
+
+def read_inputs(config) -> RunInputs:
+    """The model, the training data and the evaluation sets: files are read here, a bad one fails in seconds."""
     encoder, params, model_path = load_encoder(config.model, seed=config.train.seed)
     records = load_training_records(config.data)
-    fingerprint = data_fingerprint(records)
-    objective = make_objective(config)
+    specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
+    preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []),
+            synthetic_defaults=config.data.synthetic.to_dict())
+    return RunInputs(encoder, params, model_path, records, data_fingerprint(records), make_objective(config), specs,
+                     canaries)
+
+
+def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
+    encoder, params, model_path, records, fingerprint, objective, specs, canaries = inputs
+    del inputs
     setup = make_batch_setup(config, records, encoder, model_path, objective)
     steps = total_steps(config, setup.plan)
     log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
              setup.build.global_rows, setup.plan.steps_per_epoch, steps)
-    specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
 
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
     evaluator = Evaluator(config, encoder, setup, mesh)
-    evaluator.preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []))
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
         state_lib.savable(state_lib.abstract_state(params, optimizer, config.train.seed))))
@@ -315,26 +338,35 @@ def _run(config, workdir: str) -> TrainResult:
 def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs, evaluator,
            config_json, fingerprint, canaries) -> TrainResult:
     """Restore or start, evaluate before, train, evaluate after; eval.json."""
-    try:                   # the manager is closed on every path (else its threads report errors at exit)
-        start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
-        if start >= steps:
-            log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
-        metrics_log.start(start)
+    lost = False
+    try:                   # the manager is closed on every path (else its threads report errors at exit) ...
+        with lost_process_stops(ckpts):
+            start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
+            skipped_at_start = int(state.skipped)
+            if start >= steps:
+                log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
+            metrics_log.start(start)
 
-        results, watch = {}, CanaryWatch(config.eval.canary_margin)
-        if config.eval.synthetic or canaries:
-            t0 = time.perf_counter()
-            results["before"] = evaluator.milestone(state, canaries, watch, metrics_log)
-            metrics_log.view({"step": start, "eval": milestone_sets(results["before"])})
-            log.info("eval before training (step %d, %.1f s): %s", start, time.perf_counter() - t0,
-                     describe_milestone(results["before"]))
-        state, losses_seen, preempted, last_eval = train_loop(
-            config, state, train_step, setup, mesh, ckpts, start, steps, metrics_log, specs, evaluator,
-            config_json, fingerprint, canaries, watch)
-        close_checkpoints(ckpts, workdir)      # waits for asynchronous saves
+            results, watch = {}, CanaryWatch(config.eval.canary_margin)
+            if config.eval.synthetic or canaries:
+                t0 = time.perf_counter()
+                results["before"] = evaluator.milestone(state, canaries, watch, metrics_log)
+                metrics_log.view({"step": start, "eval": milestone_sets(results["before"])})
+                log.info("eval before training (step %d, %.1f s): %s", start, time.perf_counter() - t0,
+                         describe_milestone(results["before"]))
+            state, losses_seen, preempted, last_eval = train_loop(
+                config, state, train_step, setup, mesh, ckpts, start, steps, metrics_log, specs, evaluator,
+                config_json, fingerprint, canaries, watch)
+            close_checkpoints(ckpts, workdir)  # waits for asynchronous saves
+    except distributed.ProcessLost:
+        lost = True                            # ... but when another process is gone: closing would wait for it
+        raise
     finally:
-        close_checkpoints(ckpts, workdir, quiet=True)
+        if not lost:
+            close_checkpoints(ckpts, workdir, quiet=True)
         metrics_log.flush()                    # object stores: the records not yet written
+    summarize_skipped(config, start, int(state.step), int(state.skipped) - skipped_at_start,
+                      ckpts.step_dir(int(state.step)), stopped=bool(preempted))
     if preempted:
         log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
                     preempted, int(state.step), ckpts.step_dir(int(state.step)))
@@ -342,7 +374,8 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
 
     if config.eval.synthetic or canaries:
         t0 = time.perf_counter()
-        results["after"] = evaluator.milestone(state, canaries, watch, metrics_log, known=last_eval)
+        with lost_process_stops(ckpts):
+            results["after"] = evaluator.milestone(state, canaries, watch, metrics_log, known=last_eval)
         in_loop = set(specs) | set(canaries) if start < steps else set()   # the loop's last evaluation wrote these
         metrics_log.view({"step": int(state.step), "eval": {k: v for k, v in milestone_sets(results["after"]).items()
                                                             if k not in in_loop}})
@@ -352,6 +385,55 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
         if jax.process_index() == 0:
             storage.write_text(storage.join(workdir, "eval.json"), json.dumps(results, indent=2))
     return TrainResult(results, int(state.step), losses_seen, state, None)
+
+
+@contextlib.contextmanager
+def lost_process_stops(ckpts: checkpoint.Checkpoints):
+    """Inside: the error of a collective or barrier whose peer process is gone (killed, crashed) becomes one
+    line, ProcessLost, naming the last complete checkpoint (before: a traceback, then a C++ dump at exit)."""
+    try:
+        yield
+    except distributed.ProcessLost:
+        raise
+    except Exception as e:  # noqa: BLE001 - only a lost process is reworded; anything else goes up as it is
+        cause = distributed.lost_process(e)
+        if cause is None:
+            raise
+        raise lost_error(ckpts, cause) from e
+
+
+def lost_error(ckpts: checkpoint.Checkpoints, cause: str) -> distributed.ProcessLost:
+    return distributed.ProcessLost(f"another process of this job stopped ({cause}), so this one stops too; "
+                                   f"{last_complete(ckpts)}")
+
+
+def last_complete(ckpts: checkpoint.Checkpoints, when: str = "") -> str:
+    """Which checkpoint a run that stops leaves to resume from, read from the files (no collective)."""
+    last = ckpts.complete_steps()
+    if not last:
+        return "no checkpoint of this run is complete"
+    return (f"the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
+            f"--config.resume=True{when})")
+
+
+def summarize_skipped(config, start: int, end: int, skipped: int, checkpoint_dir: str, stopped: bool) -> None:
+    """The end-of-run line on non-finite steps: how many of this run's steps (start+1..end) were skipped.
+    A finished run that skipped more than train.max_skipped of them did not train, whatever its last line
+    says: it stops with MostStepsSkipped (exit status 3), its last checkpoint kept as it is. A run stopped by a
+    signal only reports (its resume goes on)."""
+    trained = end - start
+    if trained <= 0:
+        return
+    share = skipped / trained
+    line = (f"steps {start + 1}-{end}: {skipped} of {trained} skipped as non-finite (loss, gradient or update NaN "
+            f"or inf; the parameters were not updated by them)")
+    if stopped or share <= config.train.max_skipped:
+        (log.warning if skipped else log.info)("%s", line)
+        return
+    raise MostStepsSkipped(
+        f"{line}: {share:.0%} of the run, more than train.max_skipped={config.train.max_skipped:g}, so the model "
+        f"did not train. Checkpoint {checkpoint_dir} is kept as it is. Lower train.learning_rate (now "
+        f"{config.train.learning_rate:g}) and start again; --config.train.nonfinite=stop stops at the first such step")
 
 
 def milestone_sets(entry: dict) -> dict:
@@ -449,16 +531,13 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
     state = state_lib.savable(state)      # LoRA: the adapters and their moments; the base is its own checkpoint
     needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
     if free < needed:
-        last = ckpts.complete_steps()
         raise CheckpointSaveError(
             f"cannot save checkpoint {step} in {ckpts.directory}: {free / 2**30:.2f} GiB free on its disk, one "
-            f"checkpoint needs about {needed / 2**30:.2f} GiB"
-            + (f"; the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
-               f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
+            f"checkpoint needs about {needed / 2**30:.2f} GiB; {last_complete(ckpts, ' once there is room')}")
     try:
         ckpts.save(step, state, position, config_json)
     except Exception as e:  # noqa: BLE001 - Orbax wraps I/O errors in its own types
-        raise _save_failed(ckpts, ckpts.pending or step, e) from e
+        raise _save_failed(ckpts, step, e) from e      # the previous save landed in finish(): the error is step's
 
 
 def poll_saves(ckpts: checkpoint.Checkpoints) -> None:
@@ -480,7 +559,10 @@ def close_checkpoints(ckpts: checkpoint.Checkpoints, workdir: str, quiet: bool =
         log.error("%s", _save_failed(ckpts, ckpts.pending, e))
 
 
-def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Exception) -> CheckpointSaveError:
+def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Exception) -> errors.RunStopped:
+    lost = distributed.lost_process(error)
+    if lost is not None:            # another process is gone: closing the manager would wait for it
+        return lost_error(ckpts, f"while checkpoint {step} was saved: {lost}")
     cause = error
     while cause.__cause__ is not None or cause.__context__ is not None:   # Orbax wraps the OSError
         if isinstance(cause, OSError):
@@ -492,13 +574,11 @@ def _save_failed(ckpts: checkpoint.Checkpoints, step: int | None, error: Excepti
     except Exception:  # noqa: BLE001, S110 - the same failure, reported here
         pass
     removed = ckpts.remove_partial() if jax.process_index() == 0 else []
-    last = ckpts.complete_steps()
     return CheckpointSaveError(
         f"saving checkpoint{f' {step}' if step is not None else ''} in {ckpts.directory} failed: "
         f"{errors.describe(cause)}"
         + (f"; removed its unfinished folder(s) {removed}" if removed else "")
-        + (f"; the last complete checkpoint is {ckpts.step_dir(last[-1])} (resume from it with "
-           f"--config.resume=True once there is room)" if last else "; no checkpoint of this run is complete"))
+        + f"; {last_complete(ckpts, ' once there is room')}")
 
 
 PROG = "python -m infjax.train"
@@ -528,7 +608,11 @@ def main(argv: list[str] | None = None) -> None:
         distributed.initialize()       # multi-host start-up, before any device is touched
         if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
             logging.getLogger("infjax").setLevel(logging.WARNING)
-        run(config, workdir or os.path.join("runs", config.objective))
+        try:
+            run(config, workdir or os.path.join("runs", config.objective))
+        except distributed.ProcessLost as e:   # one line, then out without the runtime's shutdown (it would
+            errors.report("infjax.train", e, log)                   # wait for the lost process, then abort)
+            distributed.leave(e.exit_code)
 
 
 if __name__ == "__main__":

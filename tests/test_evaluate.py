@@ -236,8 +236,9 @@ def test_beir_fixture_end_to_end_st_folder_equals_hf_checkpoint_through_infjax(t
     assert 0.0 < summaries["hf"]["ndcg@10"] <= 1.0
 
 
-def make_run_dir(workdir, interaction="concat", step=2, noise=0.02):
-    """An infjax run directory without training: the embedded MiniLM, perturbed, saved as checkpoint `step`."""
+def make_run_dir(workdir, interaction="concat", step=2, noise=0.02, shared_encoder=True):
+    """An infjax run directory without training: the embedded MiniLM, perturbed, saved as checkpoint `step`
+    (each tower perturbed differently when not `shared_encoder`)."""
     import jax
 
     from infjax import config as config_lib
@@ -248,6 +249,7 @@ def make_run_dir(workdir, interaction="concat", step=2, noise=0.02):
 
     c = config_lib.base_config("multi_pi")
     c.model.interaction = interaction
+    c.model.shared_encoder = shared_encoder
     c.data.query_max_len = c.data.passage_max_len = 48
     c.data.synthetic.seed, c.data.synthetic.num_eval_queries, c.data.synthetic.pool_size = 7, 3, 8
     _, params, _ = load_encoder(c.model)
@@ -534,3 +536,189 @@ def test_every_evaluation_says_how_many_texts_its_lengths_cut(tmp_path, caplog):
                    "passages_cut": n(list(task.corpus.values()), 16)}
     assert 0 < cut["passages_cut"] <= cut["passages"]
     assert f"{cut['passages_cut']} of {cut['passages']} passages cut at 16 tokens" in caplog.text
+
+
+# --------------------------------------------------------------------------
+# Files that contradict themselves, in every loader; pools that leave out judged documents
+# --------------------------------------------------------------------------
+
+
+def _write_mair(folder):
+    """A MAIR task folder (queries.jsonl + docs.jsonl) from the synthetic split."""
+    _jsonl(os.path.join(folder, "docs.jsonl"), [{"id": d, "doc": t} for d, t in SPLIT.corpus.items()])
+    _jsonl(os.path.join(folder, "queries.jsonl"),
+           [{"qid": q, "instruction": SPLIT.instructions_og[q], "query": SPLIT.queries[q],
+             "labels": [{"id": d, "score": g} for d, g in SPLIT.qrels_og[q].items() if g]} for q in SPLIT.queries])
+    return folder
+
+
+def _write_bright(root, doc_shards=1):
+    """A BRIGHT copy (examples/pony-*.parquet, documents/pony-*.parquet in `doc_shards` shards)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    os.makedirs(os.path.join(root, "examples"), exist_ok=True)
+    os.makedirs(os.path.join(root, "documents"), exist_ok=True)
+    docs = list(SPLIT.corpus.items())
+    for i in range(doc_shards):
+        pq.write_table(pa.Table.from_pylist([{"id": d, "content": t} for d, t in docs[i::doc_shards]]),
+                       os.path.join(root, "documents", f"pony-{i:05d}-of-{doc_shards:05d}.parquet"))
+    rows = [{"id": q, "query": SPLIT.queries[q], "gold_ids": [d for d, g in SPLIT.qrels_og[q].items() if g],
+             "gold_ids_long": [], "excluded_ids": []} for q in SPLIT.queries]
+    pq.write_table(pa.Table.from_pylist(rows), os.path.join(root, "examples", "pony-00000-of-00001.parquet"))
+    return root
+
+
+def _rewrite_parquet(path, change):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    pq.write_table(pa.Table.from_pylist(change(rows)), path)
+
+
+@pytest.mark.parametrize("case", ["mair query", "bright query", "bright document"])
+def test_every_loader_refuses_an_id_given_twice_naming_file_row_and_id(tmp_path, case):
+    """Before: the later text kept, both rows' judgments merged (MAIR, BRIGHT examples), or the judged document
+    silently replaced by another row (BRIGHT documents, here in another shard): exit 0 with a confident score."""
+    import pyarrow.parquet as pq
+
+    if case == "mair query":
+        folder = _write_mair(str(tmp_path / "Toy"))
+        path = os.path.join(folder, "queries.jsonl")
+        _append(path, json.dumps({"qid": "q0", "instruction": "other", "query": "another text",
+                                  "labels": [{"id": "q1-d0", "score": 1}]}) + "\n")
+        spec, expected = f"mair:{folder}", f"{path}:{len(_lines(path))}: query id 'q0' appears again (first at line 1)"
+    elif case == "bright query":
+        root = _write_bright(str(tmp_path / "BRIGHT"))
+        path = os.path.join(root, "examples", "pony-00000-of-00001.parquet")
+        _rewrite_parquet(path, lambda rows: rows + [{**rows[0], "query": "another text", "gold_ids": ["q1-d0"]}])
+        spec = f"bright:{root}"
+        expected = f"{path}:{len(SPLIT.queries) + 1}: query id 'q0' appears again (first at line 1)"
+    else:
+        root = _write_bright(str(tmp_path / "BRIGHT"), doc_shards=2)
+        first, second = (os.path.join(root, "documents", f"pony-0000{i}-of-00002.parquet") for i in (0, 1))
+        did = pq.read_table(first).to_pylist()[1]["id"]
+        _rewrite_parquet(second, lambda rows: rows + [{"id": did, "content": "another text"}])
+        spec = f"bright:{root}"
+        expected = (f"{second}:{pq.read_metadata(second).num_rows}: document id {did!r} appears again (first at "
+                    f"{first}:2)")
+    with pytest.raises(DataError, match=re.escape(expected)):
+        eval_data.load(spec)
+
+
+def _pools_without(folder, leave_out):
+    """Rewrite a FollowIR fixture's top_ranked.jsonl without the (query, document) pairs in `leave_out`."""
+    _jsonl(os.path.join(folder, "top_ranked.jsonl"),
+           [{"qid": q, "pid": d} for q, pool in SPLIT.candidates.items() for d in pool if (q, d) not in leave_out])
+
+
+def test_followir_pools_holding_none_of_a_querys_relevant_documents_are_refused(tmp_path):
+    """Pools from another split or id scheme: before, exit 0 with a confident, meaningless p-MRR."""
+    folder = write_followir(str(tmp_path / "core17-instructions"))
+    relevant = {d for qrels in (SPLIT.qrels_og, SPLIT.qrels_changed) for d, g in qrels["q1"].items() if g > 0}
+    _pools_without(folder, {("q1", d) for d in relevant})
+    with pytest.raises(DataError, match=re.escape(f"{folder}/top_ranked.jsonl: the pool of query 'q1' "
+                                                  f"({len(SPLIT.candidates['q1']) - len(relevant)} documents) holds "
+                                                  f"none of its {len(relevant)} relevant documents in ")):
+        eval_data.load(f"followir:{folder}")
+
+
+@needs_minilm
+def test_judged_relevant_documents_outside_the_pools_are_counted_per_query_in_meta(tmp_path, caplog):
+    from infjax.config import EMBEDDED
+
+    folder = write_followir(str(tmp_path / "core17-instructions"))
+    relevant = sorted(d for d, g in SPLIT.qrels_og["q2"].items() if g > 0)
+    assert len(relevant) >= 2
+    _pools_without(folder, {("q2", relevant[0])})
+    task = eval_data.load(f"followir:{folder}")[0]
+    assert task.relevant_outside_pool == {"q2": 1}
+    assert "1 judged relevant documents of 1 queries are outside their query's pool" in caplog.text
+    out = tmp_path / "out"
+    assert _cli(f"--model={EMBEDDED}", f"--dataset=followir:{folder}", f"--out={out}") == 0
+    assert json.loads((out / "meta.json").read_text())["tasks"][0]["relevant_outside_pool"] == {"q2": 1}
+
+
+# --------------------------------------------------------------------------
+# Flags and files checked before the work
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["corpus.jsonl", "queries.jsonl", "qrels/test.tsv"])
+def test_bytes_that_are_not_utf8_in_an_evaluation_file_are_one_line_naming_line_and_byte(tmp_path, capsys, where):
+    folder = write_beir(str(tmp_path / "toy"))
+    path = os.path.join(folder, where)
+    data = open(path, "rb").read()
+    lines = data.split(b"\n")
+    lines[2] = lines[2][:5] + b"\xff\xfe" + lines[2][5:]
+    open(path, "wb").write(b"\n".join(lines))
+    byte = len(lines[0]) + len(lines[1]) + 2 + 5
+    assert evaluate.main(["--model=unused", f"--dataset=beir:{folder}"]) == 2     # the data is read first
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"infjax.evaluate: error: {path}: line 3 (byte {byte}): not UTF-8 text "
+                                        f"(invalid start byte)"]
+
+
+@pytest.mark.parametrize("case", ["under a file", "a file", "read-only"])
+def test_an_unusable_cache_dir_is_refused_before_any_work(tmp_path, capsys, monkeypatch, case):
+    """Before: found after the data and the model were loaded (34 s), exit 3, the flag unnamed."""
+    if case == "read-only" and os.access("/proc/sys", os.W_OK):
+        pytest.skip("/proc/sys is writable here")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cache = {"under a file": blocker / "cache", "a file": blocker, "read-only": "/proc/sys/infjax-cache"}[case]
+    called = []
+    monkeypatch.setattr(evaluate.datasets, "load", lambda *a, **k: called.append("data"))
+    monkeypatch.setattr(evaluate, "load_model", lambda *a, **k: called.append("model"))
+    assert evaluate.main(["--model=unused", "--dataset=beir:/nowhere", f"--cache_dir={cache}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    why = {"under a file": f": cannot write there: {blocker} is not a folder", "a file": " exists and is not a folder",
+           "read-only": ": cannot write there: /proc/sys is not writable"}[case]
+    assert len(err) == 1 and err[0].startswith(f"infjax.evaluate: error: --cache_dir={cache}{why}"), err
+    assert called == []
+
+
+# --------------------------------------------------------------------------
+# Export folders: an Interaction II head, separate encoders
+# --------------------------------------------------------------------------
+
+
+def _run_and_export_scores(tmp_path, run, dataset):
+    """summary.json and meta.json of `run` and of its export (at the run's 48 tokens), on `dataset`."""
+    from infjax import export
+
+    exported = str(tmp_path / "exported")
+    assert export.main(["--workdir", run, "--out", exported, "--max_seq_length", "48"]) == 0
+    scores = []
+    for i, model in enumerate((run, exported)):
+        out = tmp_path / f"out{i}"
+        assert evaluate.main([f"--model={model}", f"--dataset={dataset}", f"--out={out}", "--no_progress"]) == 0
+        scores.append((json.loads((out / "summary.json").read_text()), json.loads((out / "meta.json").read_text())))
+    return exported, scores
+
+
+@needs_minilm
+def test_an_interaction_ii_export_is_evaluated_with_its_head(tmp_path):
+    """Before: sentence-transformers encoded "query instruction" as one text and ignored the head: the metrics of
+    another model (ndcg@5 0.87 / p-MRR 4.06 against 0.80 / 0.00 for the run), exit 0; its README gave that
+    recipe first."""
+    run = make_run_dir(tmp_path / "run", interaction="cross_attention")
+    fir = write_followir(str(tmp_path / "core17-instructions"))
+    exported, ((run_scores, _), (export_scores, meta)) = _run_and_export_scores(tmp_path, run, f"followir:{fir}")
+    assert export_scores == pytest.approx(run_scores, abs=1e-6)
+    assert meta["model_type"] == "hf" and (meta["query_max_len"], meta["passage_max_len"]) == (48, 48)
+    readme = open(os.path.join(exported, "README.md")).read()
+    assert readme.index("## Queries: the Interaction II head") < readme.index("```")      # the first recipe
+    assert "{instruction}" not in readme and "q_model.encode" not in readme           # no one-text query recipe
+
+
+@needs_minilm
+def test_an_export_of_separate_encoders_is_evaluated_with_both(tmp_path):
+    """Before: "no config.json found" (the folder holds query/ and passage/)."""
+    run = make_run_dir(tmp_path / "run", shared_encoder=False)
+    beir = write_beir(str(tmp_path / "toy"))
+    exported, ((run_scores, _), (export_scores, meta)) = _run_and_export_scores(tmp_path, run, f"beir:{beir}")
+    assert sorted(os.listdir(exported)) == ["README.md", "infjax-export.json", "passage", "query"]
+    assert meta["model_type"] == "sentence_transformers"
+    assert export_scores == pytest.approx(run_scores, abs=1e-6)

@@ -1,6 +1,7 @@
 """Export: a trained run -> a Hugging Face + sentence-transformers folder with infjax's embeddings."""
 import json
 import os
+import re
 import subprocess
 import shutil
 
@@ -353,3 +354,60 @@ def test_a_bert_export_loads_with_no_missing_weight(exported):
 
     _, info = AutoModel.from_pretrained(exported, output_loading_info=True)
     assert info["missing_keys"] in ([], set()) and not info.get("mismatched_keys")
+
+
+def test_an_export_that_does_not_fit_on_its_disk_is_refused_naming_flag_folder_and_sizes(shared_run, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """Before: "no space left on the device" part-way, naming neither the flag, the folder nor the size needed."""
+    monkeypatch.setattr(export.checkpoint, "free_bytes", lambda path: 2**20)
+    out = tmp_path / "model"
+    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(rf"infjax.export: error: --out={re.escape(str(out))}: 0.00 GiB free on the "
+                                          rf"disk of {re.escape(str(tmp_path))}, but the export needs about 0.0[89] "
+                                          r"GiB; free some space or choose another --out", err[0]), err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_disk_that_fills_during_the_export_stops_it_leaving_the_earlier_export(shared_run, exported, monkeypatch,
+                                                                                 capsys):
+    import errno
+
+    before = {n: os.path.getsize(os.path.join(exported, n)) for n in os.listdir(exported)}
+
+    def full(folder, tensors, max_shard_size):
+        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
+            f.write(b"\0" * 2**20)
+        raise OSError(errno.ENOSPC, "No space left on device", os.path.join(folder, "model.safetensors"))
+
+    monkeypatch.setattr(export.hf_files, "save_safetensors", full)
+    assert export.main(["--workdir", shared_run, "--out", exported, "--overwrite"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    parent = os.path.dirname(exported)
+    assert len(err) == 1 and re.fullmatch(
+        rf"infjax.export: error: --out={re.escape(exported)}: the disk of {re.escape(parent)} filled while the export "
+        r"was written \(no space left on the device writing .*model.safetensors: No space left on device\); it needs "
+        r"about 0.0[89] GiB, [\d.]+ GiB are free now. The unfinished export was removed and --out is as it was; .*",
+        err[0]), err
+    assert {n: os.path.getsize(os.path.join(exported, n)) for n in os.listdir(exported)} == before
+    assert os.listdir(parent) == ["model"]
+
+
+def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(shared_run, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Before: exit 143 with no line, and the temporary folder (87 MiB) left until the next export to DIR."""
+    import signal
+
+    def terminated(folder, *args, **kwargs):
+        assert os.path.exists(os.path.join(folder, "model.safetensors"))       # half-way through the export
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export, "write_tokenizer", terminated)
+    out = tmp_path / "model"
+    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 143
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"infjax.export: error: terminated \(SIGTERM\) during the export; removed the unfinished export "
+        rf"{re.escape(str(tmp_path))}/\.model\.tmp-\d+-\w+, --out={re.escape(str(out))} is as it was", err[0]), err
+    assert os.listdir(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL       # the handler lived only as long as the export

@@ -208,9 +208,15 @@ class OpenAIBackend(Backend):
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._one, requests))
 
-    def _wait(self, attempt: int, retry_after: float | None) -> None:
+    def _wait(self, attempt: int, retry_after: float | None, problem: str) -> None:
+        """Sleep before retry `attempt` + 1: what the server's Retry-After asks, else the backoff; at most
+        max_wait (a server asking for a day must not stall the run silently). The log says how long."""
         wait = retry_after if retry_after is not None else self.backoff * 2 ** attempt * (1 + 0.25 * random.random())
+        capped = wait > self.max_wait
         wait = min(wait, self.max_wait)
+        asked = (f"; the server's Retry-After asked {retry_after:.0f} s" if retry_after is not None else "")
+        log.info("request failed (%s); retry %d of %d in %.1f s%s%s", problem, attempt + 1, self.max_retries, wait,
+                 asked, f", capped by --max_wait={self.max_wait:g}" if capped else "")
         self.usage.add(retries=1, wait=wait)
         time.sleep(wait)
 
@@ -241,8 +247,7 @@ class OpenAIBackend(Backend):
                     return Completion(None, error=f"HTTP {response.status_code} (not retried): "
                                                   f"{response.text[:200]}")
             if attempt < self.max_retries:
-                log.info("request failed (%s); retry %d of %d", problem, attempt + 1, self.max_retries)
-                self._wait(attempt, retry_after)
+                self._wait(attempt, retry_after, problem)
         return Completion(None, error=f"{problem} (after {self.max_retries + 1} attempts)")
 
 

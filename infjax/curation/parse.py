@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from infjax.data.inf_ir import normal_text
+
 
 class Malformed(ValueError):
     """An answer that does not follow its stage's format; the message is the reason."""
@@ -24,10 +26,6 @@ _SINGLE_LETTER = {"c", "r"}          # counted only when written as a capital (a
 
 # A value that only echoes the format's placeholder: "<the instruction>", "[the altered query]".
 _PLACEHOLDER = re.compile(r"<[^<>]*>|\[[^\[\]]*[^\[\]\d\s][^\[\]]*\]")
-
-
-def _normal(text: str) -> str:
-    return " ".join(text.lower().split()).rstrip(".")
 
 
 def _lines(answer: str) -> list[str]:
@@ -72,9 +70,9 @@ def instruction(answer: str) -> str:
 def poison(answer: str, *, instruction_positive: str, query_positive: str, domain: str = "text") -> tuple[str, str]:
     """``NEGATIVE INSTRUCTION: ...`` / ``NEGATIVE QUERY: ...`` -> (I-, Q-), each different from its positive."""
     neg_i, neg_q = _labelled(_lines(answer), ("NEGATIVE INSTRUCTION", "NEGATIVE QUERY"))
-    if _normal(neg_i) == _normal(instruction_positive):
+    if normal_text(neg_i) == normal_text(instruction_positive):
         raise Malformed("the negative instruction repeats the positive one")
-    if _normal(neg_q) == _normal(query_positive):
+    if normal_text(neg_q) == normal_text(query_positive):
         raise Malformed("the negative query repeats the positive one")
     if domain == "code":
         pos, neg = languages(instruction_positive), languages(neg_i)
@@ -93,7 +91,7 @@ def passage(answer: str, *, avoid: list[str]) -> str:
     value = value.strip()
     if not value:
         raise Malformed("'PASSAGE:' is followed by nothing")
-    if any(_normal(value) == _normal(a) for a in avoid):
+    if any(normal_text(value) == normal_text(a) for a in avoid):
         raise Malformed("the generated passage repeats the positive passage")
     return value
 

@@ -19,7 +19,9 @@ Cleaning follows the InF-Embed paper (appendix B.1): every instruction and
 query is cut at its first line break and stripped; passages are only stripped.
 A row with a missing field, a non-string value, or a value that is empty after
 cleaning (nothing visible: only whitespace, NUL and other control characters,
-zero-width spaces or byte-order marks) is a *bad row*. By default a bad row stops loading with a
+zero-width spaces or byte-order marks), or a negative that says what its
+positive says (I- = I+, Q- = Q+, P1- or P2- = P+, as `normal_text` compares
+them) is a *bad row*. By default a bad row stops loading with a
 :class:`BadRowError` naming the split, the row index and the field; with
 ``on_bad_row="skip"`` bad rows are dropped, counted and reported in a warning.
 Bad rows are never dropped silently.
@@ -39,6 +41,7 @@ import unicodedata
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from infjax.data import text_files
 from infjax.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -89,6 +92,15 @@ LEGACY_FIELD_MAP: dict[str, str] = {**DEFAULT_FIELD_MAP, "document_positive": "d
 
 #: Allowed values of ``on_bad_row``.
 ON_BAD_ROW_CHOICES: tuple[str, ...] = ("error", "skip")
+
+#: Each negative field and the positive it must differ from: a record whose negative equals its positive
+#: turns its rows into one query text with two positives, each the other's in-batch negative.
+NEGATIVE_OF: dict[str, str] = {
+    "instruction_negative": "instruction_positive",
+    "query_negative": "query_positive",
+    "hard_negative_document_1": "document_positive",
+    "hard_negative_document_2": "document_positive",
+}
 
 #: Extensions of local files this module can read, and the datasets builder for each.
 _BUILDER_BY_EXTENSION: dict[str, str] = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
@@ -234,6 +246,12 @@ def visible(text: str) -> bool:
     return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
+def normal_text(text: str) -> str:
+    """`text` as compared for sameness: lower case, runs of whitespace as one space, no final periods. Two texts
+    that differ only there say the same thing (a negative that says what its positive says is no negative)."""
+    return " ".join(text.lower().split()).rstrip(". ")
+
+
 def _clean_field(field: str, value: str) -> str:
     """Apply the cleaning rule of ``field`` to ``value``."""
     return clean_text(value) if field in TEXT_FIELDS else clean_passage(value)
@@ -288,6 +306,10 @@ def clean_record(
             raise BadRowError(split, row, field, "empty after cleaning (only invisible characters: zero-width "
                               "spaces, byte-order marks, control characters)", column)
         record[field] = cleaned
+    for negative, positive in NEGATIVE_OF.items():
+        if normal_text(record[negative]) == normal_text(record[positive]):
+            raise BadRowError(split, row, negative, f"the same text as {positive} (a negative must differ from "
+                              f"its positive)", resolved[negative])
     return record
 
 
@@ -461,21 +483,11 @@ def _load_local(files: list[str], split: str):
     return dataset
 
 
-def _check_utf8(path: str, chunk: int = 1 << 24) -> None:
+def _check_utf8(path: str) -> None:
     """DataFileError naming the line and byte where `path` stops being UTF-8 (read in chunks, no copy)."""
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
-        try:
-            while True:
-                block = f.read(chunk)
-                decoder.decode(block, final=not block)
-                if not block:
-                    return
-        except UnicodeDecodeError:
-            pass
-    raise DataFileError(f"{path}: {_first_problem(path) or 'not UTF-8 text'}")
+    problem = text_files.not_utf8(path)
+    if problem:
+        raise DataFileError(f"{path}: {problem}")
 
 
 def _parquet_rows(path: str) -> int | None:
@@ -511,13 +523,11 @@ def _first_problem(path: str) -> str | None:
     ext = os.path.splitext(path)[1].lower()
     if ext not in (".json", ".jsonl"):
         return None
-    with open(path, "rb") as f:
-        data = f.read()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        return f"line {line} (byte {e.start}): not UTF-8 text ({e.reason})"
+    problem = text_files.not_utf8(path)
+    if problem:
+        return problem
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
     if ext == ".json":
         try:
             json.loads(text)

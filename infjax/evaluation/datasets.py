@@ -47,7 +47,7 @@ import math
 import os
 from typing import Iterable
 
-from infjax.data import synthetic
+from infjax.data import synthetic, text_files
 from infjax.data.types import FollowIRSplit
 from infjax.evaluation import canary
 from infjax.evaluation.types import (BEIR_METRICS, DataError, FollowIRTask,  # noqa: F401
@@ -130,7 +130,15 @@ def _first_existing(paths: Iterable[str], what: str) -> str:
 
 
 def read_rows(path: str) -> Iterable[tuple[int, dict]]:
-    """(line or row number, record) of a .jsonl, .json, .parquet, .tsv or .csv file."""
+    """(line or row number, record) of a .jsonl, .json, .parquet, .tsv or .csv file. Bytes that are not
+    UTF-8 are a DataError naming the file, line and byte (as training data reports them)."""
+    try:
+        yield from _read_rows(path)
+    except UnicodeDecodeError:
+        raise DataError(text_files.describe_not_utf8(path)) from None
+
+
+def _read_rows(path: str) -> Iterable[tuple[int, dict]]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -203,12 +211,14 @@ def _grade(value, path: str, line: int, field: str) -> int:
     return int(number)
 
 
-def _first_time(seen: dict[str, int], key: str, path: str, line: int, what: str) -> None:
-    """Refuse an id that a file gives twice (the later text would silently replace the first)."""
+def _first_time(seen: dict[str, tuple[str, int]], key: str, path: str, line: int, what: str) -> None:
+    """Refuse an id that a file (or a set of shards) gives twice: the later text or judgments would silently
+    replace or join the first. `seen` maps each id to where it was first given."""
     if key in seen:
-        raise DataError(f"{path}:{line}: {what} id {key!r} appears again (first at line {seen[key]}); ids must be "
-                        f"unique")
-    seen[key] = line
+        first_path, first_line = seen[key]
+        where = f"line {first_line}" if first_path == path else f"{first_path}:{first_line}"
+        raise DataError(f"{path}:{line}: {what} id {key!r} appears again (first at {where}); ids must be unique")
+    seen[key] = (path, line)
 
 
 def read_corpus(path: str, id_field: str = "_id", text_field: str = "text") -> dict[str, str]:
@@ -322,6 +332,7 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
     qrels_og = _qrels_dict(read_qrels(og_path), og_path, queries, corpus, lenient_qrels)
     qrels_new = _qrels_dict(read_qrels(new_path), new_path, queries, corpus, lenient_qrels)
     pools: dict[str, dict[str, None]] = {}             # query id -> pool (an ordered set)
+    repeated = 0
     for line, row in read_rows(pools_path):
         qid = str(_field(row, "qid", pools_path, line, (str, int)))
         pid = str(_field(row, "pid", pools_path, line, (str, int)))
@@ -329,10 +340,16 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
             continue                              # an unjudged query: not evaluated (as in MTEB)
         if pid not in corpus:
             raise DataError(f"{pools_path}:{line}: document id {pid!r} (query {qid!r}) is not in {corpus_path}")
-        pools.setdefault(qid, {})[pid] = None
+        pool = pools.setdefault(qid, {})
+        repeated += pid in pool
+        pool[pid] = None
+    if repeated:
+        log.warning("%s: %d pool entries repeat an earlier (query, document) pair (counted once)", pools_path,
+                    repeated)
     missing = sorted(set(qrels_og) - set(pools))
     if missing:
         raise DataError(f"{pools_path}: no candidate pool for judged query id(s) {missing[:5]}")
+    outside = _relevant_outside_pools(pools, {og_path: qrels_og, new_path: qrels_new}, pools_path)
     pooled = {d for p in pools.values() for d in p}
     qids = sorted(qrels_og)
     split_ = FollowIRSplit(
@@ -345,7 +362,31 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
         qrels_changed={q: qrels_new.get(q, {}) for q in qids},
     )
     name = name or os.path.basename(os.path.normpath(folder))
-    return FollowIRTask(name, split_, followir_main_metric(name))
+    return FollowIRTask(name, split_, followir_main_metric(name), relevant_outside_pool=outside)
+
+
+def _relevant_outside_pools(pools: dict[str, dict[str, None]], qrels: dict[str, dict[str, dict[str, int]]],
+                            pools_path: str) -> dict[str, int]:
+    """{query id: its judged relevant documents (grade > 0 in any of `qrels`, {file: {qid: {did: grade}}}) that
+    are not in its pool}, for the queries that have such documents. Reranking a pool can never reach them, so
+    each lowers the query's scores. A query whose relevant documents are all outside its pool (pools of
+    another split or id scheme) is refused: its scores would mean nothing."""
+    outside: dict[str, int] = {}
+    for qid, pool in pools.items():
+        relevant = {d for judged in qrels.values() for d, g in judged.get(qid, {}).items() if g > 0}
+        missed = sorted(relevant - set(pool))
+        if relevant and len(missed) == len(relevant):
+            files = " and ".join(path for path, judged in qrels.items() if judged.get(qid))
+            raise DataError(f"{pools_path}: the pool of query {qid!r} ({len(pool)} documents) holds none of its "
+                            f"{len(relevant)} relevant documents in {files} (e.g. {missed[0]!r}): the pools and the "
+                            f"qrels do not belong together (another split or id scheme?)")
+        if missed:
+            outside[qid] = len(missed)
+    if outside:
+        log.warning("%s: %d judged relevant documents of %d queries are outside their query's pool and cannot be "
+                    "ranked (per query: relevant_outside_pool in meta.json)", pools_path, sum(outside.values()),
+                    len(outside))
+    return outside
 
 
 def load_followir(location: str, split: str = "test", lenient_qrels: bool = False,
@@ -456,9 +497,10 @@ def load_mair_dirs(queries_dir: str, docs_dir: str, task: str, lenient_qrels: bo
         docs_stem = "docs" if stem == "queries" else stem[:-len("queries")] + "docs"
         dpath = _require_file(os.path.join(docs_dir, docs_stem + ".jsonl"), f"MAIR documents for {qpath}")
         corpus = read_corpus(dpath, id_field="id", text_field="doc")
-        queries, instructions, entries = {}, {}, []
+        queries, instructions, entries, seen = {}, {}, [], {}
         for line, row in read_rows(qpath):
             qid = str(_field(row, "qid", qpath, line, (str, int)))
+            _first_time(seen, qid, qpath, line, "query")
             queries[qid] = _field(row, "query", qpath, line)
             instructions[qid] = _field(row, "instruction", qpath, line)
             entries += [(line, qid, did, grade) for did, grade in _mair_labels(_field(row, "labels", qpath, line, ()),
@@ -504,14 +546,17 @@ def load_bright_dir(root: str, domain: str, instruction: str = "", long_document
                     lenient_qrels: bool = False) -> RetrievalTask:
     docs_config = "long_documents" if long_documents else "documents"
     gold_field = "gold_ids_long" if long_documents else "gold_ids"
-    corpus = {}
+    corpus, seen = {}, {}
     for path, line, row in _bright_rows(root, docs_config, domain):
-        corpus[str(_field(row, "id", path, line, (str, int)))] = _field(row, "content", path, line)
-    queries, entries, excluded = {}, [], {}
+        did = str(_field(row, "id", path, line, (str, int)))
+        _first_time(seen, did, path, line, "document")
+        corpus[did] = _field(row, "content", path, line)
+    queries, entries, excluded, seen = {}, [], {}, {}
     examples_path = ""
     for path, line, row in _bright_rows(root, "examples", domain):
         examples_path = path
         qid = str(_field(row, "id", path, line, (str, int)))
+        _first_time(seen, qid, path, line, "query")
         queries[qid] = _field(row, "query", path, line)
         gold = _field(row, gold_field, path, line, (list, tuple))
         entries += [(line, qid, str(d), 1) for d in gold]

@@ -57,6 +57,8 @@ class FollowIRTask:
     split: FollowIRSplit
     main_metric: str = "map@1000"
     metrics: tuple[str, ...] = FOLLOWIR_METRICS
+    # query id -> judged relevant documents outside its pool (never ranked), for the queries that have any
+    relevant_outside_pool: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 Task = RetrievalTask | FollowIRTask

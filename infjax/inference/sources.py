@@ -12,7 +12,10 @@ the pooling its sentence-transformers files name (else mean), so untrained
 baselines are measured exactly as trained runs. A sentence-transformers
 folder is encoded on torch by sentence-transformers itself (its own pooling
 and normalization); a `modules.json` folder can also be read by infjax with
-`model_type="hf"`.
+`model_type="hf"`. An infjax export of separate encoders (`query/` and
+`passage/`) encodes queries with the first and passages with the second; an
+export with an Interaction II head (HEAD_FILE) is read by infjax with it,
+instruction and query encoded apart, as the run is.
 """
 from __future__ import annotations
 
@@ -34,11 +37,13 @@ from infjax.models.hf import files as hf_files
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.runtime import storage
 from infjax.runtime.mesh import default_mesh, put, replicated
-from infjax.runtime.restore import NonFiniteParams, check_finite, load_run, saved_steps
+from infjax.runtime.restore import BASE_FLAG, NonFiniteParams, check_finite, load_run, saved_steps
 
 log = logging.getLogger("infjax.model_sources")
 
 MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
+HEAD_FILE = "interaction_head.safetensors"     # an Interaction II export's head (infjax.export writes it)
+TOWERS = ("query", "passage")                  # an export of separate encoders: DIR/query and DIR/passage
 DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # docs/method.md §1.4 reference defaults
 
 
@@ -90,15 +95,27 @@ def is_run_dir(path: str) -> bool:
     return bool(saved_steps(path))
 
 
+def tower_folders(folder: str) -> dict[str, str]:
+    """{"query": DIR/query, "passage": DIR/passage} for a folder holding two encoders and no model of its own
+    (infjax.export of a run with separate encoders), else {}."""
+    towers = {t: os.path.join(folder, t) for t in TOWERS}
+    if os.path.isfile(os.path.join(folder, "config.json")) or not all(
+            os.path.isfile(os.path.join(p, "config.json")) for p in towers.values()):
+        return {}
+    return towers
+
+
 def detect_type(source: str) -> str:
-    """run (a folder with checkpoints/<step>), sentence_transformers (a folder with modules.json), else hf."""
+    """run (a folder with checkpoints/<step>), sentence_transformers (a folder with modules.json, or its query/
+    and passage/ folders with one each), else hf."""
     if storage.is_remote(source):
         return "run" if is_run_dir(source) else "hf"
     path = os.path.expanduser(source)
     if os.path.isdir(path):
         if is_run_dir(path):
             return "run"
-        if os.path.isfile(os.path.join(path, "modules.json")):
+        folders = list(tower_folders(path).values()) or [path]
+        if all(os.path.isfile(os.path.join(f, "modules.json")) for f in folders):
             return "sentence_transformers"
     return "hf"
 
@@ -158,6 +175,26 @@ def _mesh(mesh):
     return mesh if mesh is not None else default_mesh()
 
 
+def st_max_seq_length(folder: str) -> int | None:
+    """The max_seq_length a sentence-transformers folder declares (sentence_bert_config.json), or None."""
+    try:
+        with open(os.path.join(folder, "sentence_bert_config.json"), encoding="utf-8") as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def st_prompts(folder: str) -> tuple[str | None, str | None]:
+    """The (query, document) prompts a sentence-transformers folder declares (None where it declares none)."""
+    try:
+        with open(os.path.join(folder, "config_sentence_transformers.json"), encoding="utf-8") as f:
+            prompts = json.load(f).get("prompts") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    return prompts.get("query") or None, prompts.get("document") or prompts.get("passage") or None
+
+
 def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool):
     embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
     params = put(params, replicated(mesh))
@@ -166,12 +203,21 @@ def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: i
             lambda t: embedder(pp, t, plen, "passages" if progress else None))
 
 
+def _pair_embedder(encoder, params, tokenizer, fmt, mesh, batch_size: int, qlen: int):
+    """Interaction II: (instructions, queries) -> iq, instruction and query encoded apart, then the head
+    (`params["interaction"]`), as in training."""
+    embedder = CrossAttentionQueryEmbedder(encoder, mesh, tokenizer, fmt, batch_size)
+    params = put(params, replicated(mesh))
+    return lambda ins, qs: embedder(params, list(ins), list(qs), qlen)
+
+
 def load_model(source: str, *, model_type: str = "auto", step: int | None = None, batch_size: int = 64,
                pooling: str | None = None, query_template: str | None = None, query_prefix: str | None = None,
                passage_prefix: str | None = None, query_max_len: int | None = None,
                passage_max_len: int | None = None, dtype: str = "float32", mesh=None,
-               progress: bool = True) -> EmbeddingModel:
-    """Load `source` (see the module docstring). Raises ModelSourceError / FileNotFoundError on user errors."""
+               progress: bool = True, base_checkpoint: str | None = None) -> EmbeddingModel:
+    """Load `source` (see the module docstring). Raises ModelSourceError / FileNotFoundError on user errors.
+    `base_checkpoint`: a run's base checkpoint where it is now (it moved since the run)."""
     if model_type not in MODEL_TYPES:
         raise ModelSourceError(f"--model_type={model_type!r}: choose one of {list(MODEL_TYPES)}")
     if batch_size < 1:
@@ -190,8 +236,9 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
         raise ModelSourceError(f"--model={source!r}: no such folder (expected an infjax run directory, a "
                                f"sentence-transformers folder or a HF checkpoint folder)")
     kind = detect_type(source) if model_type == "auto" else model_type
-    if step is not None and kind != "run":
-        raise ModelSourceError(f"--step={step} applies to infjax run directories; {source!r} is a {kind} source")
+    for flag, value in (("--step", step), (BASE_FLAG, base_checkpoint)):
+        if value is not None and kind != "run":
+            raise ModelSourceError(f"{flag}={value} applies to infjax run directories; {source!r} is a {kind} source")
     if kind == "run":
         flags = (("--pooling", pooling), ("--query_template", query_template), ("--query_prefix", query_prefix),
                  ("--passage_prefix", passage_prefix))
@@ -200,20 +247,26 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
             raise ModelSourceError(f"{', '.join(given)}: a run directory uses its own config's pooling, template "
                                    f"and prefixes ({source}); these flags apply to HF checkpoints and "
                                    f"sentence-transformers folders")
-        return _load_run(source, step, batch_size, query_max_len, passage_max_len, mesh, progress)
+        return _load_run(source, step, batch_size, query_max_len, passage_max_len, mesh, progress, base_checkpoint)
     try:
         fmt = TextFormat(query_template or TextFormat.query_template,
                          query_prefix if query_prefix is not None else "",
                          passage_prefix if passage_prefix is not None else "")
     except ValueError as e:
         raise ModelSourceError(str(e).replace("data.query_template", "--query_template")) from None
+    given = (query_prefix is not None, passage_prefix is not None)
     if kind == "sentence_transformers":
         if pooling is not None:
             raise ModelSourceError("--pooling: a sentence-transformers folder uses its own pooling module; "
                                    "pass --model_type=hf to encode it with infjax and another pooling")
-        return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress,
-                                           prefixes_given=(query_prefix is not None, passage_prefix is not None))
-    return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress)
+        if os.path.isfile(os.path.join(expanded, HEAD_FILE)):
+            # sentence-transformers would encode "query instruction" as one text and ignore the head
+            log.info("%s holds an Interaction II head (%s): encoded by infjax, instruction and query apart, "
+                     "then the head", source, HEAD_FILE)
+            return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
+                            given)
+        return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress, given)
+    return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress, given)
 
 
 def check_lengths(model_path: str, qlen: int, plen: int) -> None:
@@ -226,12 +279,12 @@ def check_lengths(model_path: str, qlen: int, plen: int) -> None:
                                    f"{table} in {model_path}/config.json); give at most {table}")
 
 
-def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> EmbeddingModel:
+def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress, base=None) -> EmbeddingModel:
     workdir = storage.absolute(workdir)
     if not is_run_dir(workdir):
         raise ModelSourceError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
     mesh = _mesh(mesh)
-    run = load_run(workdir, step, mesh=mesh)
+    run = load_run(workdir, step, mesh=mesh, base=base)
     data = run.config.data
     fmt = TextFormat(data.query_template, data.query_prefix, data.passage_prefix)
     qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
@@ -241,9 +294,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
     interaction = run.config.model.get("interaction", "concat")
     embed_pairs = None
     if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
-        pair_embedder = CrossAttentionQueryEmbedder(run.encoder, mesh, tokenizer, fmt, batch_size)
-        params = put(run.params, replicated(mesh))
-        embed_pairs = lambda ins, qs: pair_embedder(params, list(ins), list(qs), qlen)   # noqa: E731
+        embed_pairs = _pair_embedder(run.encoder, run.params, tokenizer, fmt, mesh, batch_size, qlen)
     settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={run.config.model.dtype}" \
                f"|len={qlen}/{plen}"
     key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
@@ -251,36 +302,90 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress) -> Embeddin
                           cache_key=key, embed_pairs=embed_pairs, lengths=tokenizer.lengths)
 
 
-def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress) -> EmbeddingModel:
+def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress,
+             prefixes_given=(True, True)) -> EmbeddingModel:
+    """A HF checkpoint encoded by infjax; an infjax export folder as well: its query/ and passage/ encoders
+    (separate towers) and its Interaction II head (HEAD_FILE) when it has them, its prompts as prefixes
+    unless the flags give them (`prefixes_given`)."""
     if dtype not in ("float32", "bfloat16"):
         raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
     try:
         path = checkpoint_path(source)
     except hf_files.CheckpointNotFound as e:
         raise ModelSourceError(f"--model={source!r}: {e}") from None
-    pooling = pooling or st_pooling(path) or "auto"         # auto: the family's own (models/registry.py)
-    config = ml_collections.ConfigDict({"checkpoint": path, "family": "auto", "pooling": pooling,
-                                        "shared_encoder": True, "dtype": dtype})
-    encoder, params, path = load_encoder(config)
+    folders = tower_folders(path) or {"shared": path}
+    head_file = os.path.join(path, HEAD_FILE)
+    head = os.path.isfile(head_file)
+    first = folders.get("query", path)
+    if head or len(folders) > 1:              # an infjax export: its own prompts and lengths, unless given
+        prompts = st_prompts(first)
+        fmt = dataclasses.replace(fmt, query_prefix=fmt.query_prefix if prefixes_given[0] else prompts[0] or "",
+                                  passage_prefix=fmt.passage_prefix if prefixes_given[1] else prompts[1] or "")
+        qlen = qlen or st_max_seq_length(first)
+        plen = plen or st_max_seq_length(folders.get("passage", path))
+    pooling = pooling or st_pooling(first) or "auto"         # auto: the family's own (models/registry.py)
+    params = {}
+    for tower, folder in folders.items():
+        config = ml_collections.ConfigDict({"checkpoint": folder, "family": "auto", "pooling": pooling,
+                                            "shared_encoder": True, "dtype": dtype})
+        encoder, loaded, _ = load_encoder(config)
+        params[tower] = loaded["shared"]
+    if head:
+        params["interaction"] = {k: np.asarray(v, np.float32) for k, v in hf_files.read_safetensors(head_file).items()}
     check_finite(params, f"--model={source}")
     pooling = encoder.pooling                                 # "auto" resolved
-    max_pos = hf_files.load_hf_config(path).get("max_position_embeddings") or 8192
+    max_pos = hf_files.load_hf_config(first).get("max_position_embeddings") or 8192
     qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
     plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
-    check_lengths(path, qlen, plen)
-    tokenizer = Tokenizer(path, padding_side=encoder.padding_side)
+    check_lengths(first, qlen, plen)
+    tokenizer = Tokenizer(first, padding_side=encoder.padding_side)
     eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
-    key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
-    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, lengths=tokenizer.lengths)
+    embed_pairs = _pair_embedder(encoder, params, tokenizer, fmt, _mesh(mesh), batch_size, qlen) if head else None
+    towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
+    key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}{towers}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
+    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, embed_pairs=embed_pairs,
+                          lengths=tokenizer.lengths)
 
 
 def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
+    """A sentence-transformers folder encoded by sentence-transformers on torch; a folder of two (query/ and
+    passage/, an export of separate encoders) encodes queries with the first and passages with the second."""
+    folder = os.path.expanduser(source)
+    folders = tower_folders(folder) or {"shared": folder}
+    for f in folders.values():
+        if not os.path.isfile(os.path.join(f, "modules.json")):
+            raise ModelSourceError(f"{os.path.join(f, 'modules.json')}: file not found "
+                                   f"(--model_type=sentence_transformers needs a sentence-transformers folder)")
+    models = {tower: _sentence_transformer(source, f) for tower, f in folders.items()}
+    q_model, p_model = models.get("query", models.get("shared")), models.get("passage", models.get("shared"))
+    # The folder's own prompts become the prefixes unless given; they are applied here, never twice.
+    prompts = getattr(q_model, "prompts", {}) or {}
+    if not prefixes_given[0] and prompts.get("query"):
+        fmt = dataclasses.replace(fmt, query_prefix=prompts["query"])
+    if not prefixes_given[1] and (prompts.get("document") or prompts.get("passage")):
+        fmt = dataclasses.replace(fmt, passage_prefix=prompts.get("document") or prompts.get("passage"))
+    qlen, plen = qlen or q_model.max_seq_length, plen or p_model.max_seq_length
+
+    def embed(model, texts: list[str], max_len: int) -> np.ndarray:
+        model.max_seq_length = max_len
+        out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
+                           convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
+        return np.asarray(out, np.float32)
+
+    towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
+    key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}{towers}|len={qlen}/{plen}"
+    lengths = lambda t: [len(ids) for ids in q_model.tokenizer(list(t), truncation=False,   # noqa: E731
+                                                               verbose=False)["input_ids"]] if t else []
+    return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
+                          lambda t: embed(q_model, t, qlen), lambda t: embed(p_model, t, plen), cache_key=key,
+                          lengths=lengths)
+
+
+def _sentence_transformer(source: str, folder: str):
+    """`sentence_transformers.SentenceTransformer(folder)` (on the GPU when there is one), its parameters
+    checked finite; a folder it cannot load is one line naming it."""
     from sentence_transformers import SentenceTransformer   # optional: only sentence-transformers folders need it
 
-    folder = os.path.expanduser(source)
-    if not os.path.isfile(os.path.join(folder, "modules.json")):
-        raise ModelSourceError(f"{os.path.join(folder, 'modules.json')}: file not found "
-                               f"(--model_type=sentence_transformers needs a sentence-transformers folder)")
     try:
         import torch
 
@@ -298,23 +403,4 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
         if not bool(tensor.isfinite().all()):
             raise NonFiniteParams(f"--model={source}: parameter {name} holds {int((~tensor.isfinite()).sum())} "
                                   f"non-finite value(s) of {tensor.numel()}; the model is broken")
-    # The folder's own prompts become the prefixes unless given; they are applied here, never twice.
-    prompts = getattr(model, "prompts", {}) or {}
-    if not prefixes_given[0] and prompts.get("query"):
-        fmt = dataclasses.replace(fmt, query_prefix=prompts["query"])
-    if not prefixes_given[1] and (prompts.get("document") or prompts.get("passage")):
-        fmt = dataclasses.replace(fmt, passage_prefix=prompts.get("document") or prompts.get("passage"))
-    native = model.max_seq_length
-    qlen, plen = qlen or native, plen or native
-
-    def embed(texts: list[str], max_len: int) -> np.ndarray:
-        model.max_seq_length = max_len
-        out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
-                           convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
-        return np.asarray(out, np.float32)
-
-    key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}|len={qlen}/{plen}"
-    lengths = lambda t: [len(ids) for ids in model.tokenizer(list(t), truncation=False,   # noqa: E731
-                                                             verbose=False)["input_ids"]] if t else []
-    return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
-                          lambda t: embed(t, qlen), lambda t: embed(t, plen), cache_key=key, lengths=lengths)
+    return model

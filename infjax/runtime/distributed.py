@@ -7,15 +7,23 @@
 
 The initialization timeout is long (default 30 min, INFJAX_INIT_TIMEOUT seconds) because the
 hosts of a large job start minutes apart. CPU processes exchange collectives through gloo.
+
+When one process stops, the others must say so in one line rather than wait in a collective for it:
+`all_or_none` ends the start-up of every process when one of them could not start, and `lost_process`
+recognises the error a collective raises when another process is gone (`leave` then ends this one
+without the runtime's shutdown, which would wait for the lost process and abort with a C++ dump).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 
 import jax
 import numpy as np
 
+from infjax import errors
 from infjax.runtime import cpu as runtime_cpu, platform
 
 log = logging.getLogger("infjax.distributed")
@@ -80,3 +88,60 @@ def barrier(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+class ProcessStopped(errors.UserError):
+    """Another process of the job could not start (its own log says why): this one stops too, before training."""
+
+
+class ProcessLost(errors.RunStopped):
+    """Another process of the job stopped (killed, crashed) while this one ran: it cannot go on alone."""
+
+
+@contextlib.contextmanager
+def all_or_none(what: str):
+    """Inside: what every process does alone before its first collective (checking its config, reading its
+    files). At the end every process learns whether all got through: one that failed reports its own error;
+    the others raise ProcessStopped naming it, rather than waiting for it in their first collective (a
+    timeout many minutes later). One process: nothing to agree."""
+    if jax.process_count() == 1:
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        _gathered(1, np.int32)           # tell the others, then report this process's own error
+        raise
+    failed = np.flatnonzero(_gathered(0, np.int32)).tolist()
+    if failed:
+        raise ProcessStopped(f"process {', '.join(map(str, failed))} of {jax.process_count()} stopped {what} (its "
+                             f"log says why), so this process stops too; nothing was started")
+
+
+_LOST = ("gloo", "connection reset", "connection closed", "connection refused", "broken pipe", "heartbeat",
+         "unavailable", "deadline_exceeded", "barrier", "coordination service", "task is set to error")
+
+
+def lost_process(error: BaseException) -> str | None:
+    """The first line of a runtime error that says another process of the job is gone (a collective or a
+    barrier whose peer closed its connection or stopped answering), else None (one process: always None)."""
+    if jax.process_count() == 1:
+        return None
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError):
+            text = str(error)
+            if any(marker in text.lower() for marker in _LOST):
+                return next((line.strip() for line in text.splitlines() if line.strip()), type(error).__name__)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def leave(code: int) -> None:
+    """End this process now with exit status `code`, its output flushed, without the runtime's shutdown:
+    that shutdown waits at a barrier for every process, and with one gone it aborts with a C++ dump."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

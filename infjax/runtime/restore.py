@@ -60,8 +60,28 @@ def saved_steps(workdir: str) -> list[int]:
     return checkpoint.finished_steps(storage.join(workdir, "checkpoints"))
 
 
+class BaseNotFound(UserError):
+    """A run's base checkpoint (its model.checkpoint) is not where the run was trained from."""
+
+
+BASE_FLAG = "--base_checkpoint"      # how export and evaluate name a base checkpoint that moved
+
+
+def _base_model(config, workdir: str, base: str | None):
+    """The encoder (shapes only) of the run's config.model, read from `base` when given (a base checkpoint that
+    moved since the run); a base that cannot be found is one line naming BASE_FLAG."""
+    if base is not None:
+        config.model.checkpoint = base
+    try:
+        return load_encoder(config.model, weights=False)
+    except hf_files.CheckpointNotFound as e:
+        why = str(e).split(" To use a local checkpoint", 1)[0].rstrip(".")
+        raise BaseNotFound(f"{workdir}: the run's base checkpoint (model.checkpoint={config.model.checkpoint}) "
+                           f"cannot be read: {why}; if it moved, name it with {BASE_FLAG}=FOLDER") from None
+
+
 def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = False,
-             dtype: str | None = None) -> RunModel:
+             dtype: str | None = None, base: str | None = None) -> RunModel:
     """The run's model at `step` (default: the latest), restoring only the parameters.
 
     Shapes come from the model's abstract init (only the base folder's config.json is read, never its
@@ -71,7 +91,8 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     while they are read; default: as saved (float32).
 
     A LoRA run's checkpoint holds its adapters: they are read, then the base checkpoint's weights (refused if
-    they are not the ones the run trained on), and the model is returned with the adapters merged in."""
+    they are not the ones the run trained on), and the model is returned with the adapters merged in.
+    `base` reads the base checkpoint from there instead of the saved model.checkpoint (it moved)."""
     steps = saved_steps(workdir)
     if not steps:
         raise FileNotFoundError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
@@ -82,7 +103,7 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     try:
         saved_config = ckpts.saved_config(step)
         config = ml_collections.ConfigDict({k: v for k, v in saved_config.items() if k != "base_model"})
-        encoder, abstract, base_path = load_encoder(config.model, weights=False)
+        encoder, abstract, base_path = _base_model(config, workdir, base)
         if encoder.lora is not None:           # a LoRA run saved its adapters (+ head): the base is read later
             params = ckpts.restore_params(step, lora_lib.split(abstract)[0], on_host=True)
         else:
@@ -117,7 +138,7 @@ def _merged_run(workdir: str, config, base: dict | None, encoder: Encoder, adapt
         if weights != base["weights"]:
             raise BaseChanged(f"{workdir}: its LoRA adapters were trained on {base['checkpoint']} (weights "
                               f"{base['weights']}), but {base_path} now holds weights {weights}; restore that "
-                              f"checkpoint to use this run")
+                              f"checkpoint to use this run, or name where it is now with {BASE_FLAG}=FOLDER")
     spec = encoder.lora
     whole = lora_lib.combine(adapters, lora_lib.split(loaded)[1])
     params = {k: (lora_lib.merge(v, spec) if k in lora_lib.TOWERS else v) for k, v in whole.items()}

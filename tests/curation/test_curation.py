@@ -219,6 +219,29 @@ def test_429_waits_what_retry_after_says(tmp_path):
     assert backend.usage.waits == [1.0] and times[1] - times[0] >= 1.0
 
 
+def test_a_retry_after_of_a_day_is_capped_by_max_wait_and_every_wait_is_logged(tmp_path, caplog):
+    """Before: the client slept the day, silent; --timeout and --max_retries did not bound it."""
+    from infjax import curate
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": f"q{i}", "passage": f"p{i}"}) + "\n" for i in range(2)))
+    day = lambda body, n: Reply(status=429, headers={"Retry-After": "86400"}, raw="{}")   # noqa: E731
+    with FakeChat(day) as server, caplog.at_level("INFO", logger="infjax.curation"):
+        start = time.monotonic()
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={pairs}", f"--out={tmp_path / 'out'}", f"--base_url={server.base_url}",
+                         "--model=m", "--stages=instruct", "--max_retries=2", "--max_wait=0.2", "--max_attempts=1"])
+        elapsed = time.monotonic() - start
+    assert e.value.code == 3 and elapsed < 30                       # the backend failed every request: exit 3
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request failed")]
+    assert len(waits) == 4 and all("in 0.2 s; the server's Retry-After asked 86400 s, capped by --max_wait=0.2" in w
+                                   for w in waits), waits
+    with pytest.raises(SystemExit) as e:
+        curate.main([f"--input={pairs}", f"--out={tmp_path / 'o2'}", "--base_url=http://127.0.0.1:9/v1",
+                     "--model=m", "--max_wait=inf"])
+    assert e.value.code == 2
+
+
 def test_retry_after_as_an_http_date():
     assert retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
     assert retry_after_seconds("soon") is None and retry_after_seconds(None) is None
@@ -522,6 +545,22 @@ def test_refused_input_writes_no_run_state(tmp_path):
     with pytest.raises(SystemExit) as e:
         curate.main([f"--input={bad}", f"--out={out}", "--backend=local"])
     assert e.value.code == 2 and not (out / "run.json").exists()
+
+
+def test_input_bytes_that_are_not_utf8_are_one_line_naming_line_and_byte(tmp_path, caplog):
+    """Before: a 25-line traceback; training data already said where."""
+    from infjax import curate
+
+    bad = tmp_path / "pairs.jsonl"
+    first = json.dumps({"query": "q1", "passage": "p1"}).encode() + b"\n"
+    bad.write_bytes(first + b'{"query": "caf\xe9", "passage": "p2"}\n')          # Latin-1, not UTF-8
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        curate.main([f"--input={bad}", f"--out={out}", "--backend=local"])
+    errors_logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert e.value.code == 2 and errors_logged == [
+        f"{bad}: line 2 (byte {len(first) + 14}): not UTF-8 text (invalid continuation byte)"], errors_logged
+    assert not (out / "run.json").exists()
 
 
 def test_outputs_get_the_process_umask_permissions(tmp_path):

@@ -198,6 +198,26 @@ def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
     assert reason in message
 
 
+@pytest.mark.parametrize("negative, positive", [("instruction_negative", "instruction_positive"),
+                                                ("query_negative", "query_positive"),
+                                                ("hard_negative_document_1", "document_positive"),
+                                                ("hard_negative_document_2", "document_positive")])
+def test_a_negative_equal_to_its_positive_is_a_bad_row(tmp_path, caplog, negative, positive):
+    """Before: I- = I+ trained with no word; (I+, Q+, P+) and (I-, Q+, P1-) became one query text with two
+    positives, each the other's in-batch negative. Case, spacing and a final period do not make it differ."""
+    rows = [raw_row(i) for i in range(4)]
+    rows[2][negative] = "  " + rows[2][positive].upper().replace(" ", "   ") + ". "
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(path, "msmarco")
+    assert (info.value.split, info.value.row, info.value.field) == ("msmarco", 2, negative)
+    assert f"the same text as {positive} (a negative must differ from its positive)" in str(info.value)
+    with caplog.at_level("WARNING"):
+        records = load_inf_ir(path, "msmarco", on_bad_row="skip")
+    assert records == [clean_row(i) for i in (0, 1, 3)]                 # counted, named, never silent
+    assert f"skipped 1 bad row(s): (row 2, {negative!r}: the same text as {positive}" in caplog.text
+
+
 def test_text_with_one_visible_character_is_kept():
     row = raw_row(0)
     row["query_negative"] = "\ufeff\u200bx\u200b"

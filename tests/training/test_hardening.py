@@ -50,17 +50,46 @@ def test_non_finite_float_knobs_are_refused_naming_the_key(key, value):
 
 @pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")
-def test_an_update_past_float32_range_never_reaches_the_parameters(tmp_path):
-    """A finite learning rate of 1e39 is inf in float32: the loss and gradient are finite, the update is not."""
+def test_an_update_past_float32_range_never_reaches_the_parameters(tmp_path, caplog):
+    """A finite learning rate of 1e39 is inf in float32: the loss and gradient are finite, the update is not.
+    Every step is skipped: the run ends with exit status 3 saying so (before: exit 0, "checkpoint saved")."""
     config = small_config(**{"train.learning_rate": 1e39, "train.steps": 2, "eval.synthetic": False})
-    result = train.run(config, str(tmp_path / "skip"))
-    assert int(result.state.skipped) == 2
+    with pytest.raises(train.MostStepsSkipped, match=r"steps 1-2: 2 of 2 skipped as non-finite .*: 100% of the run, "
+                                                     r"more than train.max_skipped=0.5.*checkpoints/2 is kept"):
+        train.run(config, str(tmp_path / "skip"))
     saved = load_run(str(tmp_path / "skip"))             # step 2: the base model, finite
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved.params))
+    assert saved.step == 2 and all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved.params))
+    caplog.clear()
+    train.run(changed(config, **{"train.max_skipped": 1.0}), str(tmp_path / "allowed"))     # allowed: a warning
+    assert "steps 1-2: 2 of 2 skipped as non-finite" in caplog.text
 
 
-def _poisoned_copy(workdir, tmp_path):
-    """A copy of `workdir` with one more checkpoint whose parameters hold a NaN (as a broken run would)."""
+@pytest.mark.parametrize("skipped, trained, stops", [(3, 4, True), (2, 4, False), (0, 4, False), (1, 1, True)])
+def test_a_run_that_skipped_most_of_its_steps_ends_with_exit_3(caplog, skipped, trained, stops):
+    """The end-of-run summary of non-finite steps (every step after the first skipped: before, exit 0 with
+    "checkpoint saved" as the last line)."""
+    config = small_config()
+    call = lambda stopped=False: train.summarize_skipped(config, 10, 10 + trained, skipped,   # noqa: E731
+                                                         "/w/checkpoints/14", stopped)
+    line = f"steps 11-{10 + trained}: {skipped} of {trained} skipped as non-finite"
+    if stops:
+        with pytest.raises(train.MostStepsSkipped) as e:
+            call()
+        assert str(e.value).startswith(line) and errors.exit_code(e.value) == 3
+        assert "more than train.max_skipped=0.5" in str(e.value) and "/w/checkpoints/14 is kept" in str(e.value)
+        assert "train.learning_rate (now 0.0001)" in str(e.value)
+    else:
+        call()
+    with caplog.at_level(logging.INFO, logger="infjax"):
+        call(stopped=True)                 # a run stopped by a signal goes on when resumed: it only reports
+    assert line in caplog.text
+    with pytest.raises(errors.ConfigError, match=r"config.train.max_skipped=1.5: must be a share in \[0, 1\]"):
+        config_lib.validate(small_config(**{"train.max_skipped": 1.5}))
+
+
+def _poisoned_copy(workdir, tmp_path, leaf=3, value=np.nan):
+    """A copy of `workdir` with one more checkpoint whose parameters hold `value` (a NaN: as a broken run would)
+    at one place of parameter number `leaf`, or (`leaf` None) everywhere in its embedding layer norm's scale."""
     copy = str(tmp_path / "poisoned")
     shutil.copytree(workdir, copy)
     run = load_run(copy)
@@ -71,8 +100,13 @@ def _poisoned_copy(workdir, tmp_path):
     ckpts = checkpoint.Checkpoints(copy)
     state, position = ckpts.restore(run.step, abstract)
     leaves, treedef = jax.tree.flatten(jax.device_get(state.params))
-    leaves[3] = np.array(leaves[3])
-    leaves[3].reshape(-1)[5] = np.nan
+    if leaf is None:
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+        leaf = paths.index("['shared']['embeddings']['LayerNorm']['scale']")
+        leaves[leaf] = np.full_like(leaves[leaf], value)
+    else:
+        leaves[leaf] = np.array(leaves[leaf])
+        leaves[leaf].reshape(-1)[5] = value
     ckpts.save(run.step + 1, state.replace(params=jax.tree.unflatten(treedef, leaves)), position,
                ckpts.saved_config(run.step))
     ckpts.close()
@@ -88,6 +122,20 @@ def test_export_and_evaluate_refuse_non_finite_parameters_naming_the_tensor(four
     assert "non-finite" in capsys.readouterr().err and not out.exists()
     assert evaluate.main([f"--model={copy}", "--dataset=synthetic", "--no_progress"]) == 2
     assert "holds 1 non-finite value" in capsys.readouterr().err
+
+
+def test_export_refuses_a_model_whose_parameters_are_finite_but_whose_embeddings_are_not(four_step_run, tmp_path,
+                                                                                           capsys):
+    """Before: exit 0, and sentence-transformers then gave NaN for every input (evaluate refused the same run)."""
+    copy = _poisoned_copy(four_step_run[0], tmp_path, leaf=None, value=1e38)     # finite, but overflows inside
+    out = tmp_path / "out"
+    assert export.main(["--workdir", copy, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"infjax.export: error: export of {re.escape(copy)} step 5: the model embeds fixed test texts as NaN or inf "
+        r"\(3 of 3 queries, 3 of 3 passages\) although its parameters are finite: .*--step.*", err[0]), err
+    assert sorted(os.listdir(tmp_path)) == ["poisoned"]                  # nothing written, no temporary folder
+    assert export.main(["--workdir", copy, "--out", str(out), "--step", "4"]) == 0   # the earlier step exports
 
 
 # ------------------------------------------------------------------ metrics.jsonl
@@ -218,6 +266,22 @@ def test_flag_errors_are_one_line(flag, message, command):
     code, out = _cli(*args)
     assert code == 2 and message in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config=configs/multi_pi.py", "--config=configs/multi_pi.py:minilm"],
+    ["--config=configs/multi_pi.py", "--config.train.steps=3", "--config=configs/multi_pi.py:minilm"],
+    ["--config", "configs/multi_pi.py", "--config", "configs/multi_pi.py:minilm"],
+], ids=["two files", "with an override", "two-word form"])
+def test_a_second_config_file_is_refused_naming_both(argv, capsys):
+    """Before: with an override, "The flag 'config.train.steps' is defined twice"; without, the later file won
+    silently."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_flags(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m infjax.train: error: --config is given 2 times (configs/multi_pi.py, configs/multi_pi.py:minilm): "
+        "give one config file and change its keys with --config.KEY=VALUE"]
 
 
 @pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])

