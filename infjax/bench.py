@@ -17,6 +17,7 @@ if __name__ == "__main__":   # glibc reads its tunables once, at start: restart 
 
 import infjax.benchmarks
 from infjax import cli, errors
+from infjax.runtime import targets
 
 
 PROG = "python -m infjax.bench"
@@ -57,6 +58,8 @@ def main(argv: list[str]) -> int:
     if argv[0] not in names:
         print(f"{PROG}: error: unknown benchmark {argv[0]!r}; choose one of {names}", file=sys.stderr)
         return 2
+    if argv[0] == "compile":        # before JAX starts (importing the benchmark starts it): see the function
+        targets.compile_only_process()
     try:
         importlib.import_module(f"infjax.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
     except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug

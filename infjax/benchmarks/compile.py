@@ -78,6 +78,7 @@ class Report:
     lowered_text: str
     compile_s: float
     refused: str | None = None       # the compiler's reason, e.g. TPU HBM exceeded
+    label: str = ""                  # the model's name in the report (default: config.model.checkpoint)
 
     @property
     def fits(self) -> bool:
@@ -85,6 +86,7 @@ class Report:
 
     def as_dict(self) -> dict:
         return {"target": self.target.name, "device": self.target.kind, "devices": self.target.count,
+                "model": self.label or self.config.model.checkpoint, "lora_rank": self.config.model.lora.rank,
                 "jax": jax.__version__, "rows_per_step": self.rows, "memory_per_device": self.memory,
                 "device_memory": self.target.memory, "fits": self.fits, "refused": self.refused,
                 "attention": [describe(c) for c in distinct(self.calls)], "custom_calls": self.custom_calls,
@@ -175,9 +177,11 @@ def paper_config(config, target: targets.Target, shape: str, root: str):
 def print_report(r: Report) -> None:
     gb = lambda b: f"{b / 1e9:.2f} GB"     # noqa: E731
     c = r.config
+    lora = f", LoRA rank {c.model.lora.rank}" if c.model.lora.rank else ""
     print(f"target: {r.target.count} x {r.target.kind} ({r.target.name}, compile-only; jax {jax.__version__}); "
-          f"model {c.model.checkpoint if not c.model.checkpoint.startswith('/') else c.model.checkpoint.rsplit('/', 1)[-1]}"
-          f", {c.model.dtype}, objective {c.objective}; {r.rows} rows per step; compiled in {r.compile_s:.0f} s")
+          f"model {r.label or c.model.checkpoint}{lora}, {c.model.dtype}, objective {c.objective}, mesh "
+          f"{dict(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)}; {r.rows} rows per step; "
+          f"compiled in {r.compile_s:.0f} s")
     print("attention (each distinct call traced):")
     for call in distinct(r.calls):
         print(f"  {describe(call)}")
@@ -215,6 +219,7 @@ def main(argv: list[str]) -> None:
         elif fv.shape:
             config = bench_train.with_shape(config, fv.shape, root)
         report = compile_step(config, target, records, devices)
+        report.label = fv.shape
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print_report(report)

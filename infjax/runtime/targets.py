@@ -118,6 +118,13 @@ class Target:
         return "gpu-compile" if self.family == "cuda" else "tpu-compile"
 
 
+def compile_only_process() -> None:
+    """Keep this process's own devices to the CPU (`JAX_PLATFORMS=cpu` unless set), before JAX starts: a
+    compile for a target needs no local device, and an installed CUDA plugin on a machine without a GPU (or
+    libtpu off a TPU VM) would otherwise fail to start as a backend. The plugin still describes its targets."""
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 def names() -> list[str]:
     """Examples of every accepted form."""
     return [*GPUS, *(f"{g}x8" for g in GPUS), *(f"{t}-{4 * TPUS[t].cores_per_chip}" for t in TPUS), "v5e-16"]
