@@ -14,6 +14,19 @@ import pytest  # noqa: E402
 from tests.helpers.configs import small_config  # noqa: E402  (imports JAX: after the environment above)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs and what they hold: a test process otherwise keeps
+    every program of the suite (several GB by the end), which two test processes side by side cannot afford."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take minutes (deselect with -m 'not slow')")
 

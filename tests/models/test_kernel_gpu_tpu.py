@@ -417,3 +417,18 @@ def test_jaxs_deprecation_of_the_pallas_triton_backend_is_one_line_per_run(caplo
     lines = [r.getMessage() for r in caplog.records if "Pallas Triton backend" in r.getMessage()]
     assert len(lines) == (1 if deprecated else 0) and len(seen) == (0 if deprecated else 3)
     gpu.note_triton_deprecation.cache_clear()
+
+
+def test_a_shape_only_model_load_for_a_tpu_logs_no_attention_choice(tmp_path, caplog):
+    """Loading a model traces its init on 1-token rows, which no accelerator kernel takes: that init computes
+    nothing, so it must not log an attention fallback (a WARNING at every TPU model load)."""
+    from infjax import config as config_lib
+    from infjax.models.encoder import load_encoder
+    from tests.helpers.targets import tiny_folder
+
+    c = config_lib.base_config("multi_pi").model
+    c.checkpoint = tiny_folder("qwen2", tmp_path)
+    A._REPORTED.clear(), A._WARNED.clear()
+    with kernels.targeting([TPU]), caplog.at_level(logging.INFO, logger=A.log.name):
+        load_encoder(c, weights=False)
+    assert not [r for r in caplog.records if r.name == A.log.name], [r.getMessage() for r in caplog.records]
