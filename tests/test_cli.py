@@ -17,8 +17,8 @@ ENTRY_POINTS = {
     "evaluate": ("infjax.evaluate", ("model", "dataset")),
     "export": ("infjax.export", ("workdir", "out")),
     "curate": ("infjax.curate", ("input", "out")),
-    **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}", ("config",) if n == "train" else ())
-       for n in ("accelerator", "checkpoint", "encode", "encode-corpus", "export", "generate", "loss", "train")},
+    **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}", {"train": ("config",), "compile": ("config", "target")}.get(n, ()))
+       for n in ("accelerator", "checkpoint", "compile", "encode", "encode-corpus", "export", "generate", "loss", "train")},
 }
 
 

@@ -14,8 +14,8 @@ accelerator.json in the working directory) and prints a short table. Sections:
   largest q/k/v gradient at padding tokens (must be exactly 0 and finite), and the
   forward+backward time (median after warm-up).
 - ``numerics``: a few training steps of a tiny random BERT and a tiny random Qwen2 in bfloat16 and float32 from
-  the same parameters on the same records (the project's train step); both loss curves and their largest
-  relative difference, against a tolerance.
+  the same parameters on the same batch (the project's train step, one batch every step, so that the loss
+  must fall); both loss curves and their largest relative difference, against a tolerance.
 - ``scale`` (accelerators, full form): the paper's shapes with random weights (no hub): BERT-base (e5-base-v2's
   sizes) and Qwen2.5-1.5B (remat, scanned layers) at query/passage max lengths 256/512, bfloat16, 32 records
   per batch with hard negatives: step time, real tokens/s, MFU from the analytic model FLOPs of the step's real
@@ -335,7 +335,8 @@ def numerics_section(reduced: bool, root: str) -> dict:
                 run = Run(config, records, params, keep=True)
                 params = run.initial           # the bf16 run starts from the very same parameters
                 state, losses = run.state, []
-                for b in run.batches(steps):
+                # one batch, every step: its loss must fall (over different batches it wanders with them)
+                for b in run.batches(1) * steps:
                     state, metrics = run.setup.step(state, b)
                     losses.append(float(metrics["loss"]))
                 curves[dtype] = losses

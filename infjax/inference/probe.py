@@ -48,8 +48,8 @@ def probe_embeddings(encoder: Encoder, params: dict, tokenizer: Tokenizer, fmt: 
         if "interaction" in params:
             i_vec = embed(qp, *tokenizer([fmt.alone(i) for i, _ in PAIRS], PROBE_MAX_LEN))
             q_ids, q_mask = tokenizer([fmt.alone(q) for _, q in PAIRS], PROBE_MAX_LEN)
-            iq = jax.jit(lambda p, head, i, ids, mask: interaction.iq_embeddings(head, i, encoder.hidden(p, ids, mask),
-                                                                                mask))
+            iq = jax.jit(lambda p, head, i, ids, mask: interaction.iq_embeddings(
+                head, i, encoder.hidden(p, ids, mask, max_segments=1), mask))
             queries = iq(qp, params["interaction"], i_vec, q_ids, q_mask)
         else:
             queries = embed(qp, *tokenizer([fmt.query(i, q) for i, q in PAIRS], PROBE_MAX_LEN))
