@@ -24,8 +24,9 @@ accelerator.json in the working directory) and prints a short table. Sections:
 - ``vs_torch`` (full form, where torch has a CUDA device): the same rows through a plain PyTorch loop on the same
   device: HF transformers with sdpa attention, unpacked (each batch padded to its longest text), eager (no
   torch.compile), bf16 autocast, AdamW, in-batch softmax; rows/s of both and their ratio. The ratio therefore
-  includes packing's gain, not only the kernels'. The torch loop runs in a child process; so that both fit on one device, JAX is given
-  half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 unless already set).
+  includes packing's gain, not only the kernels'. The torch loop runs in a child process; so that both fit on
+  one device, JAX is given half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+  unless already set).
 
 On CPU the reduced form runs (also with --reduced): tiny shapes, the GPU ("pallas") and TPU ("splash") kernels
 in Pallas interpret mode, a few numerics steps; ``scale`` and ``vs_torch`` are recorded as skipped. Each

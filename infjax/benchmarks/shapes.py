@@ -31,7 +31,8 @@ QWEN25_7B = dict(QWEN25_15B, hidden_size=3584, num_attention_heads=28, num_key_v
                  vocab_size=152064, tie_word_embeddings=False)
 # --shape of `bench train`: config.json contents and whether the model is a decoder (last-token pooling,
 # remat and scanned layers, as the decoder presets)
-SHAPES = {"bert-base": (BERT_BASE, False), "e5-large": (E5_LARGE, False), "qwen2.5-1.5b": (QWEN25_15B, True), "qwen2.5-7b": (QWEN25_7B, True)}
+SHAPES = {"bert-base": (BERT_BASE, False), "e5-large": (E5_LARGE, False), "qwen2.5-1.5b": (QWEN25_15B, True),
+          "qwen2.5-7b": (QWEN25_7B, True)}
 
 
 

@@ -152,9 +152,10 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
         texts = len(sides[side]) // shards // chunks
         rows = "/".join(str(r[side]) for r in shapes.rows)
         source = f"data.{OVERRIDES[side]}" if side in fixed else "measured"
-        log.info("packing %-2s: %s rows x %d tokens per batch shard%s for %d texts of <= %d tokens (rows: %s)", side,
-                 rows, shapes.lengths[side], f" and chunk (x{chunks} chunks)" if build.chunks else "", texts,
-                 build.max_len(side), source)
+        most = (shapes.texts or {}).get(side)
+        log.info("packing %-2s: %s rows x %d tokens per batch shard%s for %d texts of <= %d tokens, %s a row "
+                 "(rows: %s)", side, rows, shapes.lengths[side], f" and chunk (x{chunks} chunks)" if build.chunks else "",
+                 texts, build.max_len(side), f"at most {most} texts" if most else "any number of texts", source)
     counts = np.bincount(shapes.of_step, minlength=len(shapes.rows))
     log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d steps in %.1fs;"
              " row cost: %s", len(shapes.rows), "/".join(str(int(c)) for c in counts), steps,
