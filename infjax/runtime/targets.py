@@ -10,9 +10,9 @@ GPU; XLA:TPU with Mosaic for Pallas kernels on a TPU) and `memory_analysis()` gi
     python -m infjax.bench compile --config=... --target=h100x8                   # 8 H100s of one host
     python -m infjax.bench compile --config=... --target=v5e-16                   # a TPU v5e slice, 16 chips
 
-Needs the target's JAX plugin, at the installed jax's version: `pip install -e ".[gpu-compile]"` (the CUDA
-plugin and its NVIDIA wheels, no driver needed) or `".[tpu-compile]"` (libtpu). `kernels.targeting(devices)`
-makes infjax's attention choices answer for the devices (models/kernels/__init__.py).
+Needs the target's JAX plugin: `pip install -e ".[gpu-compile]"` (the CUDA plugin and its NVIDIA wheels, no
+driver needed) or `".[tpu-compile]"` (libtpu), on Python >= 3.12: the jax that GPU and TPU installs get.
+`kernels.targeting(devices)` makes infjax's attention choices answer for the devices (models/kernels/__init__.py).
 """
 from __future__ import annotations
 
@@ -175,7 +175,7 @@ def devices(target: Target) -> list:
     except Exception as err:      # noqa: BLE001 - the plugin is missing or refuses: one line naming the fix
         line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise UserError(f"--target={target.name}: JAX cannot describe a {target.kind} here ({line}); install the "
-                        f"compiler with `pip install -e \".[{target.extra}]\"` (at the installed jax's version)") \
+                        f"compiler with `pip install -e \".[{target.extra}]\"` (Python >= 3.12)") \
             from None
     if len(found) != target.count:
         raise UserError(f"--target={target.name}: JAX described {len(found)} devices, not {target.count}")

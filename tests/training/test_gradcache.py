@@ -66,9 +66,8 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     pytest.param("multi_piiq", "concat", (8, 1), False, 0, marks=pytest.mark.slow),   # P, IQ and I sets;
     # instruction negatives iq_neg [R, K, d] (slow: the packed case below runs the same passes by default)
     ("multi_piiq", "concat", (8, 1), True, 0),      # ... each chunk packed apart (rows of 96 tokens)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), False, 0, marks=pytest.mark.slow),   # Interaction II:
-    # i_vec, query token states, p; fsdp params (slow: in CI)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, marks=pytest.mark.slow),
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, marks=pytest.mark.slow),   # Interaction II:
+    # i_vec, query token states, p; fsdp params (slow: in CI; its padded passes are the concat case's)
     ("multi_piiq", "concat", (8, 1), True, 4),      # LoRA: gradients of the adapters only, the base frozen
     pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, marks=pytest.mark.slow),   # ... and the head
 ])

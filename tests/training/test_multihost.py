@@ -24,7 +24,16 @@ from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.evaluation import write_beir  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 
-STEPS = 4
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The default config run by one process on 8 devices for STEPS steps, each logged: what every 2-process
+    run here must reproduce (checkpoint.every changes no loss)."""
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    train.run(_default_config(**{"train.steps": STEPS, "log_every": 1}), workdir)
+    return workdir
 
 
 def _launch(n: int, *args: str, logdir: str | None = None, timeout: int = 900) -> dict[int, str]:
@@ -70,17 +79,16 @@ def test_initialize_is_a_no_op_for_a_single_process():
 
 
 @pytest.mark.slow        # ~5 min on 2 cores (two trainings, three evaluations); CI runs the slow tests
-def test_default_config_two_processes_train_and_evaluate_like_one(tmp_path):
+def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp_path):
     """The README's multi-host rehearsal with the default config: exit 0 on both processes, the same
     eval.json, losses and parameters as one process on 8 devices; then `infjax.evaluate` of that run
     under 2 processes gives the single-process metrics, written once."""
-    multi, single = str(tmp_path / "multi"), str(tmp_path / "single")
+    multi, single = str(tmp_path / "multi"), reference
     logs = _launch(2, "--config=configs/multi_pi.py", f"--workdir={multi}", f"--config.train.steps={STEPS}",
                    "--config.log_every=1")
     assert "process 1 of 2: 4 local devices, 8 global devices" in logs[1]
     assert "eval before training" in logs[0] and "eval after training" in logs[0]
 
-    train.run(_default_config(**{"train.steps": STEPS, "log_every": 1}), single)   # 1 process, 8 devices
     a, b = _losses(single), _losses(multi)
     print("1 process:", a, "\n2 processes:", b)
     assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, STEPS + 1))
@@ -176,45 +184,41 @@ def _logged_steps(workdir):
         return []
 
 
-@pytest.mark.slow        # ~8 min on 2 cores: two interrupted 2-process runs, their resumes, one reference run
-def test_sigterm_to_one_process_stops_every_process_at_one_step(tmp_path):
-    """SIGTERM to process 1 only, then to process 0 only, mid-run (default config, 2 processes): both
-    processes exit 0 after the same step with one checkpoint of it; the resumed run's losses are the
-    uninterrupted run's."""
+@pytest.mark.slow        # ~4 min on 2 cores: an interrupted 2-process run and its resumption
+def test_sigterm_to_one_process_stops_every_process_at_one_step(reference, tmp_path):
+    """SIGTERM to process 1 only, mid-run (default config, 2 processes): both processes exit 0 after the same
+    step with one checkpoint of it; the resumed run's losses are the uninterrupted run's. (A signal to any
+    process takes one path: `agreed_stop`'s maximum over the processes.)"""
     import signal
     import time
 
-    steps = 6
-    args = ["--config=configs/multi_pi.py", f"--config.train.steps={steps}", "--config.log_every=1",
+    args = ["--config=configs/multi_pi.py", f"--config.train.steps={STEPS}", "--config.log_every=1",
             "--config.checkpoint.every=100"]              # the only mid-run checkpoint is the stop's
-    reference = str(tmp_path / "reference")
-    train.run(_default_config(**{"train.steps": steps, "log_every": 1, "checkpoint.every": 100}), reference)
     want = _losses(reference)
-    for target in (1, 0):
-        workdir = str(tmp_path / f"sigterm_{target}")
-        env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", HF_HUB_OFFLINE="1")
-        env.pop("XLA_FLAGS", None)
-        launcher = subprocess.Popen(["bash", "launch/local.sh", "2", *args, f"--workdir={workdir}"], cwd=ROOT,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        pids = _children(launcher, 2)
-        deadline = time.time() + 600
-        while len(_logged_steps(workdir)) < 2 and time.time() < deadline and launcher.poll() is None:
-            time.sleep(0.2)
-        assert 2 <= len(_logged_steps(workdir)) < steps, "the run must be mid-way when the signal is sent"
-        os.kill(pids[target], signal.SIGTERM)
-        assert launcher.wait(timeout=600) == 0, launcher.stdout.read().decode()[-3000:]
-        logs = [open(os.path.join(workdir, f"process_{i}.log")).read() for i in range(2)]
-        stopped = [[int(x) for x in re.findall(r"stopped by SIGTERM after step (\d+)", log)] for log in logs]
-        print(f"SIGTERM to process {target}: stopped after steps {stopped}")
-        assert len(stopped[0]) == len(stopped[1]) == 1 and stopped[0] == stopped[1], logs
-        stop = stopped[0][0]
-        assert 2 <= stop < steps
-        assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(stop)]
-        _launch(2, *args, f"--workdir={workdir}", "--config.resume=True")
-        got = _losses(workdir)
-        print(f"resumed from {stop}:", got, "\nuninterrupted (1 process):", want)
-        assert [s for s, _ in got] == list(range(1, steps + 1))
-        np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
+    workdir = str(tmp_path / "sigterm")
+    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)
+    launcher = subprocess.Popen(["bash", "launch/local.sh", "2", *args, f"--workdir={workdir}"], cwd=ROOT,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    pids = _children(launcher, 2)
+    deadline = time.time() + 600
+    while len(_logged_steps(workdir)) < 2 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.2)
+    assert 2 <= len(_logged_steps(workdir)) < STEPS, "the run must be mid-way when the signal is sent"
+    os.kill(pids[1], signal.SIGTERM)
+    assert launcher.wait(timeout=600) == 0, launcher.stdout.read().decode()[-3000:]
+    logs = [open(os.path.join(workdir, f"process_{i}.log")).read() for i in range(2)]
+    stopped = [[int(x) for x in re.findall(r"stopped by SIGTERM after step (\d+)", log)] for log in logs]
+    print(f"SIGTERM to process 1: stopped after steps {stopped}")
+    assert len(stopped[0]) == len(stopped[1]) == 1 and stopped[0] == stopped[1], logs
+    stop = stopped[0][0]
+    assert 2 <= stop < STEPS
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == [str(stop)]
+    _launch(2, *args, f"--workdir={workdir}", "--config.resume=True")
+    got = _losses(workdir)
+    print(f"resumed from {stop}:", got, "\nuninterrupted (1 process):", want)
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
 
 
 def _start(workdir: str, args_of, n: int = 2) -> tuple[list[subprocess.Popen], list[str]]:
