@@ -4,12 +4,13 @@ libtpu's compiler runs in full, Mosaic included: a Pallas TPU kernel that a chip
 dtypes) is refused here as it would be on the chip, so these compiles check the `interpret=False` side of the
 splash kernel that the CPU tests (interpret mode) cannot. The train steps of a tiny BERT, Qwen2 (grouped-query
 heads given to splash as they are, remat, scanned layers) and ModernBERT (local and global layers) compile
-for 4 chips with splash under shard_map; (slow) the paper's BERT-base step and its memory per chip.
+for 4 chips with splash under shard_map. The paper's shapes per chip: `python -m infjax.bench compile
+--target=v5e-4 --shape=bert-base --paper` (docs/benchmarks.md).
 """
 import pytest
 
 from infjax import config as config_lib
-from infjax.benchmarks import compile as bench_compile, shapes as bench_shapes
+from infjax.benchmarks import compile as bench_compile
 from tests.helpers.targets import compile_only_devices, tiny_overrides
 
 SPLASH = ("splash_mha_fwd", "splash_mha_dkv", "splash_mha_dq")
@@ -41,13 +42,3 @@ def test_the_train_step_compiles_for_a_v5e_slice_with_splash(v5e, family, tmp_pa
         assert {c.kv_heads for c in r.calls} == {2} and {c.shape[2] for c in r.calls} == {4}
     if family == "modernbert":
         assert {c.window for c in r.calls} == {None, 16}
-
-
-@pytest.mark.slow      # the BERT-base step at the paper's shape for 4 v5e chips, ~1-2 min on 2 cores
-def test_the_paper_bert_base_step_fits_a_v5e_chip(v5e, tmp_path):
-    target, devices = v5e
-    config = bench_compile.paper_config(config_lib.base_config("multi_pi"), target, "bert-base", str(tmp_path))
-    r = bench_compile.compile_step(config, target, bench_shapes.inf_ir_shaped_records(512), devices)
-    print(f"BERT-base 256/512, 32 records per chip, bf16, v5e-4: peak {r.memory['peak'] / 1e9:.2f} GB per chip")
-    assert {c.choice.impl for c in r.calls} == {"splash"} and r.fits
-    assert 1e9 < r.memory["peak"] < target.memory
