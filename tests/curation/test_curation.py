@@ -219,20 +219,24 @@ def test_429_waits_what_retry_after_says(tmp_path):
     assert backend.usage.waits == [1.0] and times[1] - times[0] >= 1.0
 
 
-def test_a_retry_after_of_a_day_is_capped_by_max_wait_and_every_wait_is_logged(tmp_path, caplog):
+def test_a_retry_after_of_a_day_is_capped_by_max_wait_and_every_wait_is_logged(tmp_path, caplog, monkeypatch):
     """Before: the client slept the day, silent; --timeout and --max_retries did not bound it."""
     from infjax import curate
+    from infjax.curation import backends
+
+    slept, sleep = [], backends.time.sleep
+    # what the client sleeps, recorded (and never more than the cap here, so that a broken cap fails, not hangs)
+    monkeypatch.setattr(backends.time, "sleep", lambda s: (slept.append(s), sleep(min(s, 0.2)))[1])
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"query": f"q{i}", "passage": f"p{i}"}) + "\n" for i in range(2)))
     day = lambda body, n: Reply(status=429, headers={"Retry-After": "86400"}, raw="{}")   # noqa: E731
     with FakeChat(day) as server, caplog.at_level("INFO", logger="infjax.curation"):
-        start = time.monotonic()
         with pytest.raises(SystemExit) as e:
             curate.main([f"--input={pairs}", f"--out={tmp_path / 'out'}", f"--base_url={server.base_url}",
                          "--model=m", "--stages=instruct", "--max_retries=2", "--max_wait=0.2", "--max_attempts=1"])
-        elapsed = time.monotonic() - start
-    assert e.value.code == 3 and elapsed < 30                       # the backend failed every request: exit 3
+    assert e.value.code == 3                                        # the backend failed every request: exit 3
+    assert slept.count(0.2) == 4 and max(slept) <= 0.2, slept      # each wait capped, never the day
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request failed")]
     assert len(waits) == 4 and all("in 0.2 s; the server's Retry-After asked 86400 s, capped by --max_wait=0.2" in w
                                    for w in waits), waits
