@@ -36,11 +36,17 @@ def reference(tmp_path_factory):
     return workdir
 
 
+def _local_env(n: int) -> dict[str, str]:
+    """The environment of launch/local.sh n: this Python, 8 // n CPU devices per process, offline."""
+    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES=str(8 // n), HF_HUB_OFFLINE="1")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
 def _launch(n: int, *args: str, logdir: str | None = None, timeout: int = 900) -> dict[int, str]:
     """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: log} (asserts exit 0).
     The logs are in the --workdir, or in `logdir` (INFJAX_LOG_DIR) for modules without one."""
-    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES=str(8 // n), HF_HUB_OFFLINE="1")
-    env.pop("XLA_FLAGS", None)
+    env = _local_env(n)
     if logdir is not None:
         env["INFJAX_LOG_DIR"] = logdir
     logdir = logdir or next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
@@ -78,7 +84,7 @@ def test_initialize_is_a_no_op_for_a_single_process():
     assert info["process_count"] == 1 and info["global_devices"] == jax.device_count()
 
 
-@pytest.mark.slow        # ~5 min on 2 cores (two trainings, three evaluations); CI runs the slow tests
+@pytest.mark.slow        # ~4 min on 2 cores (a 2-process training, three evaluations; the reference)
 def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp_path):
     """The README's multi-host rehearsal with the default config: exit 0 on both processes, the same
     eval.json, losses and parameters as one process on 8 devices; then `infjax.evaluate` of that run
@@ -196,10 +202,8 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step(reference, tmp_p
             "--config.checkpoint.every=100"]              # the only mid-run checkpoint is the stop's
     want = _losses(reference)
     workdir = str(tmp_path / "sigterm")
-    env = dict(os.environ, PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", HF_HUB_OFFLINE="1")
-    env.pop("XLA_FLAGS", None)
     launcher = subprocess.Popen(["bash", "launch/local.sh", "2", *args, f"--workdir={workdir}"], cwd=ROOT,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                env=_local_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     pids = _children(launcher, 2)
     deadline = time.time() + 600
     while len(_logged_steps(workdir)) < 2 and time.time() < deadline and launcher.poll() is None:
