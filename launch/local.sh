@@ -8,10 +8,10 @@
 # default a free one), PYTHON (default python), INFJAX_LOG_DIR (where process_i.log goes; default
 # the --workdir when it is local, else runs/local: never an evaluation's --out, which belongs to infjax.evaluate).
 set -euo pipefail
-if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ ]]; then
-  echo "usage: $0 N [infjax.MODULE] <flags>" >&2; exit 2
+if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || $((10#$1)) -lt 1 ]]; then
+  echo "usage: $0 N [infjax.MODULE] <flags>   (N >= 1 processes${1:+; got $1})" >&2; exit 2
 fi
-N=$1; shift
+N=$((10#$1)); shift
 MODULE=infjax.train
 if [[ $# -gt 0 && "$1" == infjax.* ]]; then MODULE=$1; shift; fi
 PYTHON=${PYTHON:-python}

@@ -22,7 +22,7 @@ def test_target_names():
     assert (v5e.family, v5e.count, v5e.topology) == ("tpu", 16, "v5e:4x4")
     v5p = targets.parse("v5p-8")                  # 8 TensorCores: 4 chips, one device each (megacore)
     assert (v5p.count, v5p.topology, v5p.model.megacore) == (4, "v5p:2x2x1", True)
-    for bad, why in (("h100x0", "1 to 16 GPUs"), ("v5e-3", "v5e slices are"), ("v7x-8", "not a known target"),
+    for bad, why in (("h100x0", "holds 1, 2, 4 or 8"), ("v5e-3", "v5e slices are"), ("v7x-8", "not a known target"),
                      ("b200", "not a known target")):
         with pytest.raises(UserError, match=why):
             targets.parse(bad)
@@ -78,3 +78,71 @@ def test_the_decoder_shapes_tokenize_the_benchmark_texts_to_the_paper_lengths(tm
         counts[name] = sum(len(t) - special for t in tok.tokens(texts, 100000))
     assert type(tok._tok).__name__ == "Qwen2Tokenizer"
     assert abs(counts["qwen2.5-1.5b"] / counts["bert-base"] - 1) < 0.03, counts
+
+
+def test_many_host_targets():
+    """GPUs of several hosts (JAX's compile-only topology partitions x hosts x GPUs) and TPU slices of many hosts;
+    no H100 host holds 16 GPUs."""
+    gpus = targets.parse("h100x8", hosts=4)
+    assert (gpus.count, gpus.hosts, gpus.topology) == (32, 4, "1x4x8")
+    assert gpus.describe() == "32 x NVIDIA H100 80GB HBM3 (h100x8, 4 hosts)"
+    with pytest.raises(UserError) as e:
+        targets.parse("h100x16")
+    assert str(e.value) == ("--target=h100x16: a NVIDIA H100 80GB HBM3 host holds 1, 2, 4 or 8 of them (h100, "
+                            "h100x2, h100x4, h100x8); for more, several hosts: --target=h100x8 --hosts=N")
+    v5p = targets.parse("v5p-128")                 # 64 chips, 4 a host
+    assert (v5p.count, v5p.hosts, v5p.topology) == (64, 16, "v5p:4x4x4")
+    v5e = targets.parse("v5e-256")
+    assert (v5e.count, v5e.hosts, v5e.topology) == (256, 64, "v5e:16x16")
+    assert targets.parse("v5e-4").hosts == 1
+    with pytest.raises(UserError, match="a TPU slice's name gives its hosts"):
+        targets.parse("v5p-128", hosts=2)
+    with pytest.raises(UserError, match="--hosts=0"):
+        targets.parse("h100x8", hosts=0)
+
+
+def test_paper_keeps_the_keys_given_on_the_command_line(tmp_path):
+    """--paper sets lengths, dtype, hard negatives and the batch, except where --config.KEY=VALUE says otherwise.
+    Before: `--paper --config.model.dtype=float32 --config.data.passage_max_len=1024 --config.train.batch_size=8
+    --config.data.hard_negatives=False` compiled bf16, 512 tokens, 32 records, hard negatives on."""
+    argv = ["--config=configs/multi_pi.py", "--target=h100", "--paper", "--config.model.dtype=float32",
+            "--config.data.passage_max_len=1024", "--config.train.batch_size=8", "--config.data.hard_negatives=False"]
+    fv = bench_compile._flags(argv)
+    given = bench_compile.given_keys(fv)
+    assert sorted(given) == ["data.hard_negatives", "data.passage_max_len", "model.dtype", "train.batch_size"]
+    c = bench_compile.paper_config(fv.config, targets.parse("h100"), "", str(tmp_path), given)
+    assert (c.model.dtype, c.data.passage_max_len, c.train.batch_size, c.data.hard_negatives) == \
+        ("float32", 1024, 8, False)
+    assert (c.data.query_max_len, c.eval.synthetic) == (256, False)        # the paper's where nothing was given
+    plain = bench_compile.paper_config(bench_compile._flags(argv[:3]).config, targets.parse("h100x8", 2), "",
+                                       str(tmp_path))
+    assert (plain.model.dtype, plain.data.passage_max_len, plain.train.batch_size, plain.data.hard_negatives) == \
+        ("bfloat16", 512, 32 * 16, True)
+
+
+def test_the_report_names_lengths_records_per_device_and_dtype_first(capsys, tmp_path):
+    from infjax import config as config_lib
+    from infjax.benchmarks import flops as flops_lib
+
+    config = config_lib.override(config_lib.base_config("multi_pi"), {
+        "model.dtype": "bfloat16", "data.query_max_len": 256, "data.passage_max_len": 1024,
+        "train.batch_size": 512, "data.hard_negatives": False, "mesh.data": 1, "mesh.fsdp": 16})
+    report = bench_compile.Report(targets.parse("h100x8", 2), config, None, [], {},
+                                  {"arguments": 1, "temporaries": 2, "outputs": 3, "aliased": 0, "peak": 6},
+                                  flops_lib.StepFlops(1e12, 1e11, 1000, 10), 1024, "", 61.0, label="qwen2.5-7b")
+    bench_compile.print_report(report)
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("target: 16 x NVIDIA H100 80GB HBM3 (h100x8, 2 hosts), compile-only; jax ")
+    assert ("model qwen2.5-7b, bfloat16, objective multi_pi, mesh {'data': 1, 'fsdp': 16, 'tensor': 1}; 512 records "
+            "per step (32 per device), hard negatives off: 1024 rows; 256/1024 tokens (queries/passages); compiled "
+            "in 61 s") in first
+    d = report.as_dict()
+    assert (d["hosts"], d["records_per_device"], d["passage_max_len"], d["dtype"]) == (2, 32, 1024, "bfloat16")
+
+
+def test_out_is_checked_before_any_work(tmp_path, capsys):
+    """Before: --out=<an existing folder> compiled for minutes, printed the report, then exited 2 with no JSON."""
+    with pytest.raises(UserError, match=r"--out=.*: is a folder; name the JSON file to write"):
+        bench_compile.main(["--config=configs/multi_pi.py", "--target=h100", f"--out={tmp_path}"])
+    with pytest.raises(UserError, match="is not a writable folder"):
+        bench_compile.main(["--config=configs/multi_pi.py", "--target=h100", f"--out={tmp_path}/no/such.json"])

@@ -5,6 +5,8 @@
     python -m infjax.bench compile --config=configs/multi_pi.py --target=h100x8 --shape=qwen2.5-7b --paper \\
         --config.model.lora.rank=16 --config.model.lora.base_dtype=bfloat16
     python -m infjax.bench compile --config=configs/multi_pi.py --target=v5e-16 --shape=bert-base --paper
+    python -m infjax.bench compile --config=configs/multi_pi.py --target=h100x8 --hosts=4 --shape=qwen2.5-7b --paper \\
+        --config.mesh.data=1 --config.mesh.fsdp=32
 
 Compiles the run's train step, exactly as `infjax.train` builds it, for the devices of --target (JAX's
 compile-only GPU or TPU devices, infjax/runtime/targets.py: no device, driver or weights needed; batches are
@@ -16,8 +18,11 @@ that of the run's widest packed shape (the one that holds every step).
 
 --shape swaps the checkpoint for a config.json of the paper's backbones (no weights: bert-base, e5-large,
 qwen2.5-1.5b, qwen2.5-7b); --paper sets the paper's batch: 32 records per device with hard negatives, 256-token
-queries and 512-token passages, bfloat16, records with InF-IR's lengths. What a compile-only target cannot
-say: cuDNN's workspace (sized by cuDNN on the device, not in the figures), autotuning, and speed.
+queries and 512-token passages, bfloat16, records with InF-IR's lengths; a `--config.KEY=VALUE` of any of these
+keys on the command line wins over --paper, as everywhere. --hosts=N compiles for N hosts of the GPU target (JAX's
+compile-only topology 1xNxG: the program each of the job's N processes would run); a TPU slice's name gives its
+hosts. What a compile-only target cannot say: cuDNN's workspace (sized by cuDNN on the device, not in the
+figures), autotuning, the time of the collectives between hosts, and speed.
 
 Needs the target's compiler: `pip install -e ".[gpu-compile]"` or `".[tpu-compile]"` (a missing one is named).
 """
@@ -51,11 +56,14 @@ def define_flags(fv: flags.FlagValues) -> None:
     cli.define_config(fv, "Config file, e.g. configs/multi_pi.py[:preset]; --config.KEY=VALUE overrides a key.",
                       lock_config=False)
     flags.DEFINE_string("target", None, "what to compile for: a GPU (h100, h200, a100-80, a100-40; xN for N of one "
-                        "host, e.g. h100x8) or a TPU slice (v5e-4, v5e-16, v6e-8, v5p-8, v4-8, ...)", flag_values=fv)
+                        "host: 1, 2, 4 or 8, e.g. h100x8) or a TPU slice (v5e-4, v5e-16, v6e-8, v5p-8, v5p-128, "
+                        "v5e-256, v4-8, ...)", flag_values=fv)
+    flags.DEFINE_integer("hosts", 1, "hosts of the GPU target, each with the --target's GPUs (e.g. --target=h100x8 "
+                         "--hosts=4: 32 H100s); a TPU slice's name gives its hosts", flag_values=fv)
     flags.DEFINE_enum("shape", "", ["", *bench_shapes.SHAPES], "the model is a config.json of these sizes (no "
                       "weights) instead of config.model.checkpoint", flag_values=fv)
     flags.DEFINE_bool("paper", False, f"the paper's batch: {RECORDS_PER_DEVICE} records per device, 256/512 tokens, "
-                      "bfloat16, InF-IR-shaped records", flag_values=fv)
+                      "bfloat16, InF-IR-shaped records (a --config.KEY=VALUE of these keys wins)", flag_values=fv)
     flags.DEFINE_string("out", "", "also write the report as JSON to this file", flag_values=fv)
 
 
@@ -85,8 +93,13 @@ class Report:
         return self.refused is None and self.memory["peak"] <= self.target.memory
 
     def as_dict(self) -> dict:
+        c = self.config
         return {"target": self.target.name, "device": self.target.kind, "devices": self.target.count,
-                "model": self.label or self.config.model.checkpoint, "lora_rank": self.config.model.lora.rank,
+                "hosts": self.target.hosts, "model": self.label or c.model.checkpoint, "lora_rank": c.model.lora.rank,
+                "dtype": c.model.dtype, "mesh": dict(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor),
+                "records_per_step": c.train.batch_size, "records_per_device": c.train.batch_size / self.target.count,
+                "hard_negatives": bool(c.data.hard_negatives), "query_max_len": c.data.query_max_len,
+                "passage_max_len": c.data.passage_max_len,
                 "jax": jax.__version__, "rows_per_step": self.rows, "memory_per_device": self.memory,
                 "device_memory": self.target.memory, "fits": self.fits, "refused": self.refused,
                 "attention": [describe(c) for c in distinct(self.calls)], "custom_calls": self.custom_calls,
@@ -121,6 +134,7 @@ def widest_step(build) -> int:
 def compile_step(config, target: targets.Target, records: list[dict] | None = None, devices=None) -> Report:
     """Compile `config`'s train step for `target` (its compile-only devices unless `devices` are given)."""
     devices = devices if devices is not None else targets.devices(target)
+    config_lib.validate(config, target.count, target.hosts)      # as a run of `target.hosts` processes would be
     t0 = time.perf_counter()
     with kernels.targeting(devices), attention.recorded() as calls:
         setup = bench_train.Setup(config, records, weights=False, devices=devices)
@@ -166,22 +180,32 @@ def describe(call) -> str:
             f"{call.choice.impl} ({call.choice.reason})")
 
 
-def paper_config(config, target: targets.Target, shape: str, root: str):
-    """`config` at the paper's batch for `target`'s device count (and on `shape`'s config.json if given)."""
+def paper_config(config, target: targets.Target, shape: str, root: str, given=()):
+    """`config` at the paper's batch for `target`'s device count (and on `shape`'s config.json if given), but for
+    the keys in `given` (set on the command line: they win)."""
     if shape:
         config = bench_train.with_shape(config, shape, root)
+    paper = dict(PAPER, **{"train.batch_size": RECORDS_PER_DEVICE * target.count})
     return config_lib.override(ml_collections.ConfigDict(config.to_dict()),
-                               dict(PAPER, **{"train.batch_size": RECORDS_PER_DEVICE * target.count}))
+                               {k: v for k, v in paper.items() if k not in set(given)})
+
+
+def given_keys(fv) -> list[str]:
+    """The config keys set on the command line (--config.KEY=VALUE)."""
+    return [name[len("config."):] for name in fv if name.startswith("config.") and fv[name].present]
 
 
 def print_report(r: Report) -> None:
     gb = lambda b: f"{b / 1e9:.2f} GB"     # noqa: E731
     c = r.config
     lora = f", LoRA rank {c.model.lora.rank}" if c.model.lora.rank else ""
-    print(f"target: {r.target.count} x {r.target.kind} ({r.target.name}, compile-only; jax {jax.__version__}); "
-          f"model {r.label or c.model.checkpoint}{lora}, {c.model.dtype}, objective {c.objective}, mesh "
-          f"{dict(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)}; {r.rows} rows per step; "
-          f"compiled in {r.compile_s:.0f} s")
+    records_per_device = c.train.batch_size / r.target.count
+    print(f"target: {r.target.describe()}, compile-only; jax {jax.__version__}; model {r.label or c.model.checkpoint}"
+          f"{lora}, {c.model.dtype}, objective {c.objective}, mesh "
+          f"{dict(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)}; {c.train.batch_size} records per step "
+          f"({records_per_device:g} per device), hard negatives {'on' if c.data.hard_negatives else 'off'}: "
+          f"{r.rows} rows; "
+          f"{c.data.query_max_len}/{c.data.passage_max_len} tokens (queries/passages); compiled in {r.compile_s:.0f} s")
     print("attention (each distinct call traced):")
     for call in distinct(r.calls):
         print(f"  {describe(call)}")
@@ -202,19 +226,31 @@ def print_report(r: Report) -> None:
           f"peak: {per_device / (0.4 * r.target.peak_flops) * 1e3:.0f} ms per step")
 
 
+def check_out(out: str) -> None:
+    """--out must be a file this process can write (checked before minutes of compiling)."""
+    if not out:
+        return
+    folder = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise errors.UserError(f"--out={out}: is a folder; name the JSON file to write, e.g. "
+                               f"{os.path.join(out, 'compile.json')}")
+    if not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise errors.UserError(f"--out={out}: {folder} is not a writable folder")
+    if os.path.exists(out) and not os.access(out, os.W_OK):
+        raise errors.UserError(f"--out={out}: not writable")
+
+
 def main(argv: list[str]) -> None:
     fv = _flags(argv)
-    target = targets.parse(fv.target)
+    target = targets.parse(fv.target, fv.hosts)
+    check_out(fv.out)
     devices = targets.devices(target)                   # before any work: a missing compiler is named at once
-    folder = os.path.dirname(os.path.abspath(fv.out)) if fv.out else ""
-    if fv.out and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
-        raise errors.UserError(f"--out={fv.out}: {folder} is not a writable folder")
     root = tempfile.mkdtemp(prefix="infjax_compile_")
     try:
         config = fv.config
         records = None
         if fv.paper:
-            config = paper_config(config, target, fv.shape, root)
+            config = paper_config(config, target, fv.shape, root, given_keys(fv))
             records = bench_shapes.inf_ir_shaped_records(max(4 * config.train.batch_size, 256))
         elif fv.shape:
             config = bench_train.with_shape(config, fv.shape, root)

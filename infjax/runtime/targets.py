@@ -8,6 +8,7 @@ GPU; XLA:TPU with Mosaic for Pallas kernels on a TPU) and `memory_analysis()` gi
 
     python -m infjax.bench compile --config=configs/multi_pi.py --target=h100      # one H100
     python -m infjax.bench compile --config=... --target=h100x8                   # 8 H100s of one host
+    python -m infjax.bench compile --config=... --target=h100x8 --hosts=4         # 4 hosts of 8 H100s: 32 GPUs
     python -m infjax.bench compile --config=... --target=v5e-16                   # a TPU v5e slice, 16 chips
 
 Needs the target's JAX plugin: `pip install -e ".[gpu-compile]"` (the CUDA plugin and its NVIDIA wheels, no
@@ -89,7 +90,9 @@ TPUS = {
 }
 # Chips of a slice -> libtpu's topology (2D for v5e/v6e, 3D for v4/v5p)
 SLICES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
-SLICES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
+SLICES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8"}
+GPUS_PER_HOST = (1, 2, 4, 8)      # what an H100/H200/A100 SXM host (HGX board) holds; more GPUs: more hosts
+TPU_CHIPS_PER_HOST = 4            # a multi-host slice's hosts (libtpu's compile-only topologies too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,9 +100,10 @@ class Target:
     """A named target: `--target=h100`, `h100x8`, `v5e-16` ..."""
     name: str
     family: str                    # "cuda" | "tpu": the JAX plugin that describes it
-    count: int                     # devices
+    count: int                     # devices, all hosts together
     model: Gpu | Tpu
-    topology: str                  # "1x1xN" (GPU: partitions x hosts x devices) or libtpu's, e.g. "v5e:4x4"
+    topology: str                  # "1xHxN" (GPU: partitions x hosts x devices per host) or libtpu's, e.g. "v5e:4x4"
+    hosts: int = 1                 # processes of a run on it (one per host)
 
     @property
     def kind(self) -> str:
@@ -117,6 +121,11 @@ class Target:
     def extra(self) -> str:
         return "gpu-compile" if self.family == "cuda" else "tpu-compile"
 
+    def describe(self) -> str:
+        """E.g. "32 x NVIDIA H100 80GB HBM3 (h100x8, 4 hosts)"."""
+        hosts = f", {self.hosts} hosts" if self.hosts > 1 else ""
+        return f"{self.count} x {self.kind} ({self.name}{hosts})"
+
 
 def compile_only_process() -> None:
     """Keep this process's own devices to the CPU (`JAX_PLATFORMS=cpu` unless set), before JAX starts: a
@@ -127,19 +136,25 @@ def compile_only_process() -> None:
 
 def names() -> list[str]:
     """Examples of every accepted form."""
-    return [*GPUS, *(f"{g}x8" for g in GPUS), *(f"{t}-{4 * TPUS[t].cores_per_chip}" for t in TPUS), "v5e-16"]
+    return [*GPUS, *(f"{g}x8" for g in GPUS), *(f"{t}-{4 * TPUS[t].cores_per_chip}" for t in TPUS), "v5e-16",
+            "v5p-128", "v5e-256"]
 
 
-def parse(name: str) -> Target:
-    """`name` -> Target: a GPU model with an optional device count (h100, h100x8: one host), or a TPU slice as
-    Google names them (v5e-16: 16 chips; v4-8 and v5p-8: 8 TensorCores, 4 chips)."""
+def parse(name: str, hosts: int = 1) -> Target:
+    """`name` -> Target: a GPU model with an optional device count per host (h100, h100x8) on `hosts` hosts, or
+    a TPU slice as Google names them (v5e-16: 16 chips; v4-8 and v5p-8: 8 TensorCores, 4 chips), whose hosts
+    follow from its size (4 chips each when it spans several)."""
     text = name.strip().lower()
+    if hosts < 1:
+        raise UserError(f"--hosts={hosts}: at least 1")
     gpu = re.fullmatch(r"([a-z0-9-]+?)(?:x(\d+))?", text)
     if gpu and gpu.group(1) in GPUS:
-        count = int(gpu.group(2) or 1)
-        if not 1 <= count <= 16:
-            raise UserError(f"--target={name}: 1 to 16 GPUs of one host")
-        return Target(text, "cuda", count, GPUS[gpu.group(1)], f"1x1x{count}")
+        per_host = int(gpu.group(2) or 1)
+        if per_host not in GPUS_PER_HOST:
+            counts = ", ".join(f"{gpu.group(1)}" + (f"x{n}" if n > 1 else "") for n in GPUS_PER_HOST)
+            raise UserError(f"--target={name}: a {GPUS[gpu.group(1)].kind} host holds 1, 2, 4 or 8 of them "
+                            f"({counts}); for more, several hosts: --target={gpu.group(1)}x8 --hosts=N")
+        return Target(text, "cuda", per_host * hosts, GPUS[gpu.group(1)], f"1x{hosts}x{per_host}", hosts)
     tpu = re.fullmatch(r"(v\d+[a-z]?)-(\d+)", text)
     if tpu and tpu.group(1) in TPUS:
         model = TPUS[tpu.group(1)]
@@ -149,7 +164,11 @@ def parse(name: str) -> Target:
         if rest or chips not in table:
             sizes = ", ".join(f"{model.generation}-{c * model.cores_per_chip}" for c in table)
             raise UserError(f"--target={name}: {model.generation} slices are {sizes}")
-        return Target(text, "tpu", chips, model, f"{model.generation}:{table[chips]}")
+        if hosts != 1:
+            raise UserError(f"--hosts={hosts}: a TPU slice's name gives its hosts ({name}: "
+                            f"{max(1, chips // TPU_CHIPS_PER_HOST)}); drop --hosts")
+        return Target(text, "tpu", chips, model, f"{model.generation}:{table[chips]}",
+                      max(1, chips // TPU_CHIPS_PER_HOST))
     raise UserError(f"--target={name}: not a known target; choose a GPU ({', '.join(GPUS)}, with xN for N of "
                     f"one host, e.g. h100x8) or a TPU slice ({', '.join(f'{t}-N' for t in TPUS)}, e.g. v5e-16)")
 
@@ -179,4 +198,7 @@ def devices(target: Target) -> list:
             from None
     if len(found) != target.count:
         raise UserError(f"--target={target.name}: JAX described {len(found)} devices, not {target.count}")
+    hosts = len({d.process_index for d in found})
+    if hosts != target.hosts:
+        raise UserError(f"--target={target.name}: JAX described {hosts} hosts, not {target.hosts}")
     return list(found)
