@@ -17,7 +17,7 @@ if __name__ == "__main__":   # glibc reads its tunables once, at start: restart 
 
 import infjax.benchmarks
 from infjax import cli, errors
-from infjax.runtime import targets
+from infjax.runtime import platform, targets
 
 
 PROG = "python -m infjax.bench"
@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
         return 2
     if argv[0] == "compile":        # before JAX starts (importing the benchmark starts it): see the function
         targets.compile_only_process()
+    platform.choose()               # before JAX starts its backends too
     try:
         importlib.import_module(f"infjax.benchmarks.{argv[0].replace('-', '_')}").main(argv[1:])
     except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug

@@ -25,7 +25,7 @@ from infjax.curation import local, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
 from infjax.curation.backends import OpenAIBackend, ResponseCache
 from infjax.curation.retrieve import Retriever
-from infjax.runtime import storage
+from infjax.runtime import platform, storage
 
 log = logging.getLogger("infjax.curate")
 PROG = "python -m infjax.curate"
@@ -163,6 +163,7 @@ def run(f: flags.FlagValues) -> dict:
 def main(argv: list[str] | None = None) -> None:
     fv = cli.parse(PROG, define_flags, sys.argv[1:] if argv is None else argv, doc=__doc__, required=("input", "out"))
     cli.setup_logging(quiet=("absl", "httpx", "jax"), replace=argv is None)
+    platform.choose()                 # before JAX starts its backends: the CPU where a plugin has no hardware
     with errors.reported("infjax.curate", log):
         run(fv)
 

@@ -56,6 +56,15 @@ _DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROF
 EXIT_INTERRUPTED = 130
 
 
+def byte_size(n: float) -> str:
+    """`n` bytes in the binary unit that shows it: "512 bytes", "4.08 MiB", "1.23 GiB", "215 GiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            value = n / scale
+            return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def describe(error: BaseException) -> str:
     """The one-line (or few-line) message of `error` as a user sees it."""
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:

@@ -61,7 +61,7 @@ from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
 from infjax.models import attention
-from infjax.runtime import distributed, storage
+from infjax.runtime import distributed, platform, storage
 
 log = logging.getLogger("infjax.evaluate")
 
@@ -239,6 +239,7 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     summary = mean_summary(results)
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],
             "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"],
+                       "queries_left_out": len(r["left_out"]), "queries_left_out_ids": r["left_out"],
                        "truncation": cuts.get(r["name"]), **pool_coverage(task)} for task, r in zip(tasks, results)],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
                         "evaluate": t_eval - t_data2}}
@@ -250,6 +251,10 @@ def run_evaluation(args: flags.FlagValues) -> dict:
         print(f"  {r['name']}: " + "  ".join(f"{k} {v:.4f}" for k, v in r["summary"].items()))
     for k, v in summary.items():
         print(f"{k:>12s}  {v:.4f}{'   (main)' if k == results[0]['main_metric'] else ''}")
+    for r in results:
+        if r["left_out"]:
+            print(f"  {r['name']}: {len(r['left_out'])} of {len(r['left_out']) + len(r['per_query'])} judged "
+                  f"queries left out of the means: no relevant document in the qrels (only grade-0 judgments)")
     if args.out:
         if replace:                     # the earlier evaluation goes only now that this one is complete
             storage.rmtree(out)
@@ -262,11 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 on a user error, with the message on stderr)."""
     cli.setup_logging(quiet=("jax", "absl", "httpx", "sentence_transformers"), replace=argv is None)
     args = parse_flags(sys.argv[1:] if argv is None else argv)
-    distributed.initialize()       # multi-host (launch/local.sh N infjax.evaluate ...); a no-op for one process
-    if jax.process_index() != 0:
-        logging.getLogger("infjax").setLevel(logging.WARNING)
+    platform.choose()              # before JAX starts its backends: the CPU where a plugin has no hardware
     try:
+        distributed.initialize()   # multi-host (launch/local.sh N infjax.evaluate ...); a no-op for one process
+        if jax.process_index() != 0:
+            logging.getLogger("infjax").setLevel(logging.WARNING)
         run_evaluation(args)
+        distributed.finished()
     except (Exception, KeyboardInterrupt) as e:    # noqa: BLE001 - report() re-raises what is a bug
         code = errors.report("infjax.evaluate", e)
         if code is None:

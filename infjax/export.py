@@ -42,16 +42,16 @@ from infjax import cli, errors
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
 from infjax.inference.probe import check_outputs
-from infjax.inference.sources import HEAD_FILE, st_max_seq_length
+from infjax.inference.sources import EXPORT_MARKER, HEAD_FILE, st_max_seq_length
 from infjax.models.encoder import EMBEDDED
 from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
-from infjax.runtime import checkpoint, storage
+from infjax.runtime import checkpoint, platform, storage
 from infjax.runtime.restore import check_finite, load_run
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = HEAD_FILE             # an Interaction II run's head, beside the encoder folder(s)
-MARKER_FILE = "infjax-export.json"        # written into every export: what --overwrite may replace
+MARKER_FILE = EXPORT_MARKER                # written into every export: what --overwrite may replace
 _README_TITLE = "# InF-Embed bi-encoder (exported by infjax)"
 
 # sentence-transformers pooling config key per infjax pooling kind.
@@ -362,6 +362,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def through_link(out: str, say: bool = False) -> str:
+    """The folder an export to `out` writes: `out` itself, or, where `out` is a symbolic link (`exported/latest`
+    pointing to `exported/v3`), the folder it points to, so that the link stays a link and names the new export
+    (replacing the link by a folder would leave the old export unnamed beside it). `say`: print that line."""
+    if storage.is_remote(out) or not os.path.islink(out):
+        return out
+    target = os.path.realpath(out)
+    if say:
+        print(f"--out={out} is a symbolic link to {target}: the export is written there, and the link kept",
+              file=sys.stderr)
+    return target
+
+
 def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
     """Refuse an --out that export could not write without losing something.
 
@@ -436,7 +449,7 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     left as it was. An object-store ``out`` (gs://...) is built in a local
     temporary folder and uploaded (see `_upload`). Returns ``out``.
     """
-    out = storage.absolute(out)
+    out = through_link(storage.absolute(out))
     shard_bytes = parse_size(max_shard_size)
     _check_out(out, overwrite, run or None)
     check_finite(params, f"export of {run or 'the given parameters'}" + (f" step {step}" if step is not None else ""))
@@ -500,8 +513,8 @@ def check_free_space(out: str, folder: str, needed: int) -> None:
     flag, the folder and the sizes, as training's checks do."""
     free = checkpoint.free_bytes(folder)
     if free < needed:
-        raise ExportError(f"--out={out}: {free / 2**30:.2f} GiB free on the disk of {folder}, but the export needs "
-                          f"about {needed / 2**30:.2f} GiB; free some space or choose another --out")
+        raise ExportError(f"--out={out}: {errors.byte_size(free)} free on the disk of {folder}, but the export needs "
+                          f"about {errors.byte_size(needed)}; free some space or choose another --out")
 
 
 def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> str:
@@ -534,8 +547,8 @@ def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> s
             raise
         folder = os.path.dirname(tmp)
         raise ExportStopped(f"--out={out}: the disk of {folder} filled while the export was written "
-                            f"({errors.describe(e)}); it needs about {needed_bytes / 2**30:.2f} GiB, "
-                            f"{checkpoint.free_bytes(folder) / 2**30:.2f} GiB are free now. The unfinished export "
+                            f"({errors.describe(e)}); it needs about {errors.byte_size(needed_bytes)}, "
+                            f"{errors.byte_size(checkpoint.free_bytes(folder))} are free now. The unfinished export "
                             f"was removed and --out is as it was; free some space or choose another --out") from None
     except errors.Terminated as e:
         unfinished = os.path.exists(tmp)
@@ -621,7 +634,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
     A LoRA run exports merged (base + scale * A B in every adapted kernel), or with ``adapter`` as PEFT
     adapters (`export_adapters`). ``base_checkpoint`` names the run's base checkpoint where it is now (it
     moved since the run). The model's embeddings of a few fixed texts must be finite (`check_outputs`)."""
-    out_abs, workdir = storage.absolute(out), storage.absolute(workdir)
+    out_abs, workdir = through_link(storage.absolute(out), say=True), storage.absolute(workdir)
     parse_size(max_shard_size)
     _check_max_seq_length(max_seq_length)
     _check_out(out_abs, overwrite, workdir)          # fail before the (slow) restore
@@ -667,6 +680,7 @@ def define_flags(fv: flags.FlagValues) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = cli.parse(PROG, define_flags, sys.argv[1:] if argv is None else argv, doc=__doc__.split("\n\n")[0],
                      required=("workdir", "out"))
+    platform.choose()                # before JAX starts its backends: the CPU where a plugin has no hardware
     try:
         with errors.sigterm_raises("during the export"):     # SIGTERM cleans up as Ctrl-C does
             out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,

@@ -123,3 +123,18 @@ def test_every_documented_command_line_parses():
             cli.parse(f"infjax.{name}", _define(name), words)         # flags only: nothing is loaded or run
         except SystemExit as e:
             pytest.fail(f"{where}: `{name} {' '.join(words)}` no longer parses (exit {e.code})")
+
+
+def test_transformers_notice_about_a_missing_pytorch_is_not_printed():
+    """Before, without torch (Python 3.12, `.[gpu]`): every entry point printed `[transformers] PyTorch was not
+    found. Models won't be available ...`; infjax uses transformers' tokenizers and configs only."""
+    import logging
+
+    import infjax  # noqa: F401 - the filter is installed on import
+
+    notice = logging.LogRecord("transformers", logging.WARNING, __file__, 1, "PyTorch was not found. Models won't be "
+                               "available and only tokenizers, configuration and file/data utilities can be used.",
+                               None, None)
+    other = logging.LogRecord("transformers", logging.WARNING, __file__, 1, "something else", None, None)
+    logger = logging.getLogger("transformers")
+    assert not logger.filter(notice) and logger.filter(other)

@@ -21,7 +21,8 @@ A row with a missing field, a non-string value, or a value that is empty after
 cleaning (nothing visible: only whitespace, NUL and other control characters,
 zero-width spaces or byte-order marks), or a negative that says what its
 positive says (I- = I+, Q- = Q+, P1- or P2- = P+, as `normal_text` compares
-them) is a *bad row*. By default a bad row stops loading with a
+them, or the same token ids for the model's tokenizer when it is given) is a
+*bad row*. By default a bad row stops loading with a
 :class:`BadRowError` naming the split, the row index and the field; with
 ``on_bad_row="skip"`` bad rows are dropped, counted and reported in a warning.
 Bad rows are never dropped silently.
@@ -31,14 +32,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import glob
 import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import unicodedata
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from infjax.data import text_files
@@ -246,10 +249,64 @@ def visible(text: str) -> bool:
     return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
+@functools.cache
+def _invisible_table() -> dict[int, None]:
+    """A `str.translate` table deleting the control and format characters that are not whitespace (NUL,
+    zero-width spaces and joiners, byte-order marks, soft hyphens, ...): built once, on first use."""
+    return {c: None for c in range(sys.maxunicode + 1)
+            if unicodedata.category(chr(c)) in ("Cc", "Cf") and not chr(c).isspace()}
+
+
+def without_invisible(text: str) -> str:
+    """`text` without its invisible characters (see `_invisible_table`); whitespace is kept."""
+    if text.isascii() and text.isprintable():       # the common case, at C speed
+        return text
+    return text.translate(_invisible_table())
+
+
 def normal_text(text: str) -> str:
-    """`text` as compared for sameness: lower case, runs of whitespace as one space, no final periods. Two texts
-    that differ only there say the same thing (a negative that says what its positive says is no negative)."""
-    return " ".join(text.lower().split()).rstrip(". ")
+    """`text` as compared for sameness: lower case, runs of whitespace as one space, no final periods, no
+    invisible characters. Two texts that differ only there say the same thing (a negative that says what its
+    positive says is no negative); a reader, and most tokenizers, cannot tell them apart."""
+    return " ".join(without_invisible(text).lower().split()).rstrip(". ")
+
+
+_NOT_LETTER_OR_DIGIT = re.compile(r"[\W_]+")
+_ASCII_NOT_LETTER_OR_DIGIT = bytes(c for c in range(128) if not chr(c).isalnum())
+
+
+def letters_and_digits(text: str) -> bytes:
+    """The letters and digits of `text`, case-folded, accents taken off: a cheap key that two texts a
+    tokenizer reads as the same token ids share (case, accents, spacing, punctuation and invisible characters
+    are all a tokenizer may ignore), so that only texts with equal keys need tokenizing to compare them. The
+    one miss: distinct unknown words that a vocabulary maps to the same unknown token."""
+    if text.isascii():
+        return text.encode().lower().translate(None, _ASCII_NOT_LETTER_OR_DIGIT)
+    return _NOT_LETTER_OR_DIGIT.sub("", unicodedata.normalize("NFKD", text.casefold())).encode()
+
+
+#: What reads texts as a model does: texts -> one key per text, equal for texts whose token ids are equal
+#: (`infjax.data.tokenize.Tokenizer.token_keys`).
+TokenKeys = Callable[[list[str]], list[bytes]]
+
+
+def same_tokens(a: str, b: str, token_keys: TokenKeys | None) -> bool:
+    """Whether the model's tokenizer (`token_keys`) reads `a` and `b` as the same token ids; False without one."""
+    if token_keys is None or letters_and_digits(a) != letters_and_digits(b):
+        return False
+    key_a, key_b = token_keys([a, b])
+    return key_a == key_b
+
+
+def _invisible_difference(a: str, b: str) -> str:
+    """What a message adds where two texts that `normal_text` finds the same differ in invisible characters
+    (a reader sees no difference at all, or only one of case, spacing or final periods)."""
+    seen_a, seen_b = without_invisible(a), without_invisible(b)
+    if (seen_a, seen_b) == (a, b):
+        return ""
+    if seen_a == seen_b:
+        return "; they differ only in invisible characters"
+    return "; apart from case, spacing and final periods, they differ only in invisible characters"
 
 
 def _clean_field(field: str, value: str) -> str:
@@ -273,6 +330,7 @@ def clean_record(
     field_map: Mapping[str, str] | None,
     split: str,
     row: int,
+    token_keys: TokenKeys | None = None,
 ) -> dict[str, str]:
     """Clean one raw row into a record keyed by the canonical field names.
 
@@ -282,6 +340,8 @@ def clean_record(
             default or legacy map from the row's own keys.
         split: split name, for error messages.
         row: row index, for error messages.
+        token_keys: the model's tokenizer (`TokenKeys`), when known: a negative
+            it reads as the same token ids as its positive is a bad row too.
 
     Returns:
         A dict with exactly the keys of :data:`FIELDS`, in that order.
@@ -308,8 +368,14 @@ def clean_record(
         record[field] = cleaned
     for negative, positive in NEGATIVE_OF.items():
         if normal_text(record[negative]) == normal_text(record[positive]):
+            hidden = _invisible_difference(record[negative], record[positive])
             raise BadRowError(split, row, negative, f"the same text as {positive} (a negative must differ from "
-                              f"its positive)", resolved[negative])
+                              f"its positive{hidden})", resolved[negative])
+        if same_tokens(record[negative], record[positive], token_keys):
+            raise BadRowError(split, row, negative, f"the same token ids as {positive} for the model's tokenizer, "
+                              f"which reads the two texts alike (they differ only in what it ignores: case, "
+                              f"accents, spacing or invisible characters); a negative must differ from its "
+                              f"positive", resolved[negative])
     return record
 
 
@@ -331,8 +397,9 @@ def clean_records(
     split: str,
     field_map: Mapping[str, str] | None = None,
     on_bad_row: str = "error",
+    token_keys: TokenKeys | None = None,
 ) -> tuple[list[dict[str, str]], int]:
-    """Clean a sequence of raw rows.
+    """Clean a sequence of raw rows (``token_keys``: see :func:`clean_record`).
 
     Args:
         rows: raw rows; row indices in messages are positions in this iterable.
@@ -360,7 +427,7 @@ def clean_records(
         if resolved is None:
             resolved = resolve_field_map(field_map, list(raw.keys()))
         try:
-            records.append(clean_record(raw, field_map=resolved, split=split, row=index))
+            records.append(clean_record(raw, field_map=resolved, split=split, row=index, token_keys=token_keys))
         except BadRowError as error:
             if on_bad_row == "error":
                 raise
@@ -597,6 +664,7 @@ def load_inf_ir(
     field_map: Mapping[str, str] | None = None,
     on_bad_row: str = "error",
     limit: int | None = None,
+    token_keys: TokenKeys | None = None,
 ) -> list[dict[str, str]]:
     """Load and clean one split of InF-IR.
 
@@ -614,6 +682,7 @@ def load_inf_ir(
             default or legacy (``document``) map from the source's columns.
         on_bad_row: ``"error"`` (default) or ``"skip"``; see :func:`clean_records`.
         limit: if given, only the first ``limit`` rows are cleaned.
+        token_keys: the model's tokenizer (see :func:`clean_record`).
 
     Returns:
         Cleaned records (dicts keyed by :data:`FIELDS`), in source order.
@@ -642,7 +711,7 @@ def load_inf_ir(
 
     needed = list(dict.fromkeys(resolved[field] for field in FIELDS))
     records, _ = clean_records(
-        _iter_rows(dataset, needed), split=split, field_map=resolved, on_bad_row=on_bad_row
+        _iter_rows(dataset, needed), split=split, field_map=resolved, on_bad_row=on_bad_row, token_keys=token_keys
     )
     return records
 

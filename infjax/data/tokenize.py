@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 
 import numpy as np
 
@@ -78,6 +79,15 @@ class Tokenizer:
         if not texts:
             return []
         return [len(ids) for ids in self._tok(list(texts), truncation=False, verbose=False)["input_ids"]]
+
+    def token_keys(self, texts: list[str]) -> list[bytes]:
+        """One key per text, a digest of its token ids (uncut, without special tokens): texts with equal keys are
+        one input to the model, however their characters differ (case and accents for an uncased vocabulary,
+        spacing, invisible characters)."""
+        if not texts:
+            return []
+        ids = self._tok(list(texts), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+        return [hashlib.blake2b(np.asarray(i, np.int64).tobytes(), digest_size=16).digest() for i in ids]
 
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -33,7 +33,8 @@ Layouts (local folders mirror the hub repositories file for file):
   query id is left out of that query's ranking.
 
 Passages with a title are encoded as `title + " " + text` (the BEIR/MTEB
-convention). Only judged queries are evaluated. A missing file or field, or a
+convention). Only judged queries are evaluated, and of the full-corpus sets (BEIR,
+MAIR) only those with a relevant document (`with_relevant`). A missing file or field, or a
 judgment naming an unknown query or document, raises `DataError` naming the
 file, line and id (`lenient_qrels=True` drops judgments of unknown documents
 instead and logs how many).
@@ -276,6 +277,25 @@ def _qrels_dict(entries, path: str, queries, corpus, lenient: bool) -> dict[str,
     return qrels
 
 
+Qrels = dict[str, dict[str, int]]
+
+
+def with_relevant(qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
+    """(the judged queries that have a relevant document, the ids of those that have none). A query whose
+    judgments are all 0 scores 0 in every measure whatever the ranking: averaged in, it only lowers the mean,
+    by the share of such queries. Such queries are left out, counted in a warning here and in the results; a set
+    where none can score is a DataError."""
+    scorable = {q: judged for q, judged in qrels.items() if any(g > 0 for g in judged.values())}
+    left_out = tuple(sorted(set(qrels) - set(scorable)))
+    if not scorable:
+        raise DataError(f"{path}: none of the {len(qrels)} judged queries of {what} has a relevant document (a "
+                        f"judgment with a grade above 0), so no measure can be computed; are these the right qrels?")
+    if left_out:
+        log.warning("%s: %d of %d judged queries have no relevant document (only grade-0 judgments) and are left out "
+                    "of the means (first: %s)", what, len(left_out), len(qrels), ", ".join(left_out[:3]))
+    return scorable, left_out
+
+
 # --------------------------------------------------------------------------
 # Hub downloads (snapshots of dataset repositories, read by the local loaders)
 # --------------------------------------------------------------------------
@@ -448,9 +468,10 @@ def load_beir(folder: str, split: str | None = None, instruction: str = "",
         queries[qid] = _field(row, "text", queries_path, line)
         instructions[qid] = row.get("instruction") or instruction
     qrels = _qrels_dict(read_qrels(qrels_path), qrels_path, queries, corpus, lenient_qrels)
-    return RetrievalTask(f"{os.path.basename(os.path.normpath(folder))}/{split}", corpus,
-                         {q: queries[q] for q in qrels}, {q: instructions[q] for q in qrels}, qrels,
-                         BEIR_METRICS, "ndcg@10", skip_identical_ids=True)
+    name = f"{os.path.basename(os.path.normpath(folder))}/{split}"
+    qrels, left_out = with_relevant(qrels, qrels_path, name)
+    return RetrievalTask(name, corpus, {q: queries[q] for q in qrels}, {q: instructions[q] for q in qrels}, qrels,
+                         BEIR_METRICS, "ndcg@10", skip_identical_ids=True, without_relevant=left_out)
 
 
 # --------------------------------------------------------------------------
@@ -507,8 +528,9 @@ def load_mair_dirs(queries_dir: str, docs_dir: str, task: str, lenient_qrels: bo
                                                                                 qpath, line)]
         qrels = _qrels_dict(entries, qpath, queries, corpus, lenient_qrels)
         name = task if stem == "queries" else f"{task}/{stem}"
+        qrels, left_out = with_relevant(qrels, qpath, name)
         tasks.append(RetrievalTask(name, corpus, {q: queries[q] for q in qrels}, {q: instructions[q] for q in qrels},
-                                   qrels, ("ndcg@10",), "ndcg@10"))
+                                   qrels, ("ndcg@10",), "ndcg@10", without_relevant=left_out))
     return tasks
 
 

@@ -47,6 +47,9 @@ class RetrievalTask:
     main_metric: str = "ndcg@10"
     excluded: dict[str, frozenset] = dataclasses.field(default_factory=dict)   # query id -> doc ids never ranked
     skip_identical_ids: bool = False            # BEIR: drop doc id == query id from the ranking
+    # judged queries left out: none of their judgments has a grade > 0, so every measure is 0 whatever the
+    # ranking (`with_relevant`); they are not in `queries` / `qrels` and not in the means
+    without_relevant: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

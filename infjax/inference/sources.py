@@ -15,7 +15,10 @@ and normalization); a `modules.json` folder can also be read by infjax with
 `model_type="hf"`. An infjax export of separate encoders (`query/` and
 `passage/`) encodes queries with the first and passages with the second; an
 export with an Interaction II head (HEAD_FILE) is read by infjax with it,
-instruction and query encoded apart, as the run is.
+instruction and query encoded apart, as the run is. Where sentence-transformers
+cannot be imported, an infjax export (EXPORT_MARKER) is read by infjax with
+its own pooling, prompts and lengths, saying so; another sentence-transformers
+folder is refused naming the extra that installs it.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ log = logging.getLogger("infjax.model_sources")
 
 MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
 HEAD_FILE = "interaction_head.safetensors"     # an Interaction II export's head (infjax.export writes it)
+EXPORT_MARKER = "infjax-export.json"           # written into every export by infjax.export
+ST_EXTRA = "torch"                             # the extra that installs sentence-transformers (and torch)
 TOWERS = ("query", "passage")                  # an export of separate encoders: DIR/query and DIR/passage
 DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # docs/method.md §1.4 reference defaults
 
@@ -118,6 +123,21 @@ def detect_type(source: str) -> str:
         if all(os.path.isfile(os.path.join(f, "modules.json")) for f in folders):
             return "sentence_transformers"
     return "hf"
+
+
+def is_export(folder: str) -> bool:
+    """Whether `folder` was written by infjax.export (its marker file)."""
+    return os.path.isfile(os.path.join(folder, EXPORT_MARKER))
+
+
+def sentence_transformers_missing() -> str | None:
+    """Why sentence-transformers cannot be imported here (a plain, `gpu` or `tpu` install has neither it nor
+    torch), or None when it can."""
+    try:
+        import sentence_transformers  # noqa: F401 - optional: only sentence-transformers folders need it
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def params_digest(params) -> str:
@@ -265,6 +285,21 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
                      "then the head", source, HEAD_FILE)
             return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
                             given)
+        missing = sentence_transformers_missing()
+        if missing and model_type == "auto" and is_export(expanded):
+            # infjax's encoder reads an export as sentence-transformers does: the same weights, pooling,
+            # normalization, prompts and max_seq_length (the export is written from them)
+            log.warning("sentence-transformers is not installed (%s), so the infjax export %s is encoded by infjax's "
+                        "own encoder, with the export's pooling, normalization, prompts and max_seq_length; "
+                        "pip install -e \".[%s]\" to encode it with sentence-transformers instead", missing, source,
+                        ST_EXTRA)
+            return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
+                            given)
+        if missing:
+            raise ModelSourceError(f"--model={source} is a sentence-transformers folder, and sentence-transformers "
+                                   f"cannot be imported here ({missing}): pip install -e \".[{ST_EXTRA}]\", or "
+                                   f"encode it with infjax (--model_type=hf: its weights and pooling, no other "
+                                   f"sentence-transformers module)")
         return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress, given)
     return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress, given)
 
@@ -317,7 +352,7 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     head_file = os.path.join(path, HEAD_FILE)
     head = os.path.isfile(head_file)
     first = folders.get("query", path)
-    if head or len(folders) > 1:              # an infjax export: its own prompts and lengths, unless given
+    if head or len(folders) > 1 or is_export(path):   # an infjax export: its own prompts and lengths, unless given
         prompts = st_prompts(first)
         fmt = dataclasses.replace(fmt, query_prefix=fmt.query_prefix if prefixes_given[0] else prompts[0] or "",
                                   passage_prefix=fmt.passage_prefix if prefixes_given[1] else prompts[1] or "")

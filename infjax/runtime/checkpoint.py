@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from infjax import errors
 from infjax.errors import UserError
 from infjax.runtime import distributed, storage
 
@@ -79,8 +80,8 @@ def check_writable(workdir: str, needed_bytes: int = 0) -> None:
         raise PermissionError(f"--workdir={workdir} is not writable: {e.strerror or e}") from None
     free = free_bytes(workdir)
     if needed_bytes and free < needed_bytes:
-        raise OSError(f"--workdir={workdir}: {free / 2**30:.2f} GiB free, but one checkpoint needs about "
-                      f"{needed_bytes / 2**30:.2f} GiB")
+        raise OSError(f"--workdir={workdir}: {errors.byte_size(free)} free, but one checkpoint needs about "
+                      f"{errors.byte_size(needed_bytes)}")
 
 
 def free_bytes(workdir: str) -> float:

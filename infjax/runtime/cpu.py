@@ -61,16 +61,62 @@ def thp_mode(path: str = THP_MODE) -> str | None:
     return chosen[0] if chosen else None
 
 
+def accelerator_plugins() -> list[str]:
+    """JAX's accelerator plugins installed here, found as JAX finds them (without starting it): the modules of
+    the `jax_plugins` namespace and of its entry points (e.g. "jax_plugins.xla_cuda13"), and "libtpu"."""
+    spec = importlib.util.find_spec("jax_plugins")
+    names = {f"jax_plugins.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)} if spec else set()
+    names |= {entry.value for entry in importlib.metadata.entry_points(group="jax_plugins")}
+    if importlib.util.find_spec("libtpu") is not None:
+        names.add("libtpu")
+    return sorted(names)
+
+
+def plugin_platform(plugin: str) -> str | None:
+    """The platform an accelerator plugin serves: "cuda", "rocm", "tpu", or None where its name does not say."""
+    for platform_name in ("cuda", "rocm", "tpu"):
+        if platform_name in plugin.lower():
+            return platform_name
+    return None
+
+
+HARDWARE = {"cuda": "NVIDIA GPU", "rocm": "AMD GPU", "tpu": "TPU chip"}     # what each platform's plugin drives
+
+
+def hardware_visible(plugin: str) -> bool | None:
+    """Whether this machine shows the hardware `plugin` drives, by JAX's own probes (no driver call): an NVIDIA GPU
+    device file for CUDA, a TPU chip on the PCI bus for libtpu. None where that cannot be told (another plugin,
+    another JAX): such a plugin counts as usable."""
+    try:
+        from jax._src import hardware_utils     # stdlib-only probes; importing it imports jax, not its backends
+    except ImportError:
+        return None
+    platform_name = plugin_platform(plugin)
+    try:
+        if platform_name == "cuda":
+            return bool(hardware_utils.has_visible_nvidia_gpu())
+        if platform_name == "tpu":
+            return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+    except (AttributeError, OSError):
+        return None
+    return None
+
+
+def unusable_plugins() -> tuple[list[str], list[str]]:
+    """(the accelerator plugins installed, those of them whose hardware this machine does not show)."""
+    plugins = accelerator_plugins()
+    return plugins, [p for p in plugins if hardware_visible(p) is False]
+
+
 def runs_on_cpu(env) -> bool:
-    """Whether JAX's default backend will be the CPU, decided without starting JAX: JAX_PLATFORMS when
-    set, else whether no accelerator plugin (jax_plugins, libtpu) is installed."""
+    """Whether JAX's default backend will be the CPU, decided without starting its backends: JAX_PLATFORMS when
+    set, else whether no accelerator plugin is installed whose hardware this machine shows (an installed CUDA
+    plugin on a machine without an NVIDIA GPU, or libtpu off a TPU VM, runs on the CPU: `platform.choose`)."""
     platforms = env.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
-    spec = importlib.util.find_spec("jax_plugins")
-    plugins = list(pkgutil.iter_modules(spec.submodule_search_locations)) if spec else []
-    plugins += list(importlib.metadata.entry_points(group="jax_plugins"))
-    return not plugins and importlib.util.find_spec("libtpu") is None
+    plugins, unusable = unusable_plugins()
+    return len(unusable) == len(plugins)
 
 
 def huge_pages_env(env, system: str | None = None, libc: str | None = None, mode: str | None = None) -> dict | None:

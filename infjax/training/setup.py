@@ -6,6 +6,7 @@ that trains.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
@@ -18,7 +19,7 @@ import numpy as np
 
 from infjax import losses
 from infjax.data import batches, packing, synthetic
-from infjax.data.inf_ir import DEFAULT_FIELD_MAP, LEGACY_FIELD_MAP, load_inf_ir
+from infjax.data.inf_ir import DEFAULT_FIELD_MAP, FIELDS, LEGACY_FIELD_MAP, TokenKeys, letters_and_digits, load_inf_ir
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 from infjax.models.hf import files as hf_files
@@ -32,30 +33,51 @@ log = logging.getLogger("infjax")
 FIELD_MAPS = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}
 
 
-def load_training_records(data_config) -> list[dict]:
-    """InF-IR records from `config.data`: the synthetic corpus, a hub id or local files."""
+def load_training_records(data_config, tokenizer: Tokenizer | None = None) -> list[dict]:
+    """InF-IR records from `config.data`: the synthetic corpus, a hub id or local files. With the model's
+    `tokenizer`, records are compared as the model reads them: a negative with its positive's token ids is a
+    bad row, and records with the same token ids in every field are duplicates."""
     if data_config.source == "synthetic":
         s = data_config.synthetic
         return synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
+    token_keys = tokenizer.token_keys if tokenizer is not None else None
     records = []
     for split in [s.strip() for s in data_config.splits.split(",") if s.strip()]:
         try:
             records += load_inf_ir(data_config.source, split, field_map=FIELD_MAPS[data_config.field_map],
-                                   on_bad_row=data_config.on_bad_row, limit=data_config.limit or None)
+                                   on_bad_row=data_config.on_bad_row, limit=data_config.limit or None,
+                                   token_keys=token_keys)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"config.data.source={data_config.source!r}: {e}") from e
-    return drop_duplicates(records, data_config.get("dedupe", True))
+    return drop_duplicates(records, data_config.get("dedupe", True), token_keys)
 
 
-def drop_duplicates(records: list[dict], dedupe: bool = True) -> list[dict]:
-    """`records` without those identical to an earlier one in every field (dedupe), or all of them (not);
-    either way a warning counts the duplicates and names the first few (0-based record indices, in load
-    order: the splits of data.splits one after another)."""
-    first: dict[str, int] = {}
+def drop_duplicates(records: list[dict], dedupe: bool = True, token_keys: TokenKeys | None = None) -> list[dict]:
+    """`records` without those that repeat an earlier one (dedupe), or all of them (not); either way a warning
+    counts the duplicates and names the first few (0-based record indices, in load order: the splits of
+    data.splits one after another).
+
+    A duplicate is identical to an earlier record in every field; with the model's tokenizer (`token_keys`), it
+    has the same token ids in every field (texts that differ only in what the tokenizer ignores, such as case
+    for an uncased model or invisible characters, are one input to the model: in one batch, each would be the
+    other's false negative). Only records whose fields share their letters and digits are tokenized."""
+    def exact(record: dict) -> str:
+        return json.dumps(record, sort_keys=True, ensure_ascii=False)
+
+    if token_keys is None:
+        keys = [exact(r) for r in records]
+    else:
+        keys = [tuple(letters_and_digits(r[f]) for f in FIELDS) for r in records]
+        shared = collections.Counter(keys)
+        candidates = [i for i, k in enumerate(keys) if shared[k] > 1]
+        texts = [records[i][f] for i in candidates for f in FIELDS]
+        tokens = token_keys(texts)
+        for n, i in enumerate(candidates):
+            keys[i] = ("token ids", *tokens[n * len(FIELDS):(n + 1) * len(FIELDS)])
+    first: dict = {}
     repeats: list[tuple[int, int]] = []
     kept = []
-    for i, record in enumerate(records):
-        key = json.dumps(record, sort_keys=True, ensure_ascii=False)
+    for i, (record, key) in enumerate(zip(records, keys)):
         if key in first:
             repeats.append((i, first[key]))
             if dedupe:
@@ -64,7 +86,11 @@ def drop_duplicates(records: list[dict], dedupe: bool = True) -> list[dict]:
             first[key] = i
         kept.append(record)
     if repeats:
-        shown = ", ".join(f"record {i} repeats record {j}" for i, j in repeats[:3])
+        def pair(i: int, j: int) -> str:
+            alike = "" if exact(records[i]) == exact(records[j]) else " (the same token ids, not the same text)"
+            return f"record {i} repeats record {j}{alike}"
+
+        shown = ", ".join(pair(i, j) for i, j in repeats[:3])
         more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
         what = ("dropped (data.dedupe=True)" if dedupe else
                 "kept (data.dedupe=False): a batch may hold one twice, an in-batch false negative")

