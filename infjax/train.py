@@ -29,6 +29,7 @@ from absl import flags
 
 from infjax import cli, config as config_lib, errors
 from infjax.data.batches import real_tokens
+from infjax.data.tokenize import Tokenizer
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
@@ -295,7 +296,8 @@ class RunInputs(NamedTuple):
 def read_inputs(config) -> RunInputs:
     """The model, the training data and the evaluation sets: files are read here, a bad one fails in seconds."""
     encoder, params, model_path = load_encoder(config.model, seed=config.train.seed)
-    records = load_training_records(config.data)
+    # The data is compared as the model reads it (a negative, a duplicate): with the model's tokenizer.
+    records = load_training_records(config.data, Tokenizer(model_path) if config.data.source != "synthetic" else None)
     specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
     preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []),
             synthetic_defaults=config.data.synthetic.to_dict())
@@ -326,6 +328,7 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
         config_json[BASE_KEY] = base_identity(config.model.checkpoint, model_path)
         log_lora(encoder, state, config_json[BASE_KEY])
     ckpts = checkpoint.Checkpoints(workdir, config.checkpoint.max_to_keep, config.checkpoint.async_save)
+    distributed.on_lost(lambda cause: str(lost_error(ckpts, cause)))   # the peer watcher's last line
     metrics_log = writers_lib.Writers(workdir, writers_lib.writer_names(config.log.writers), config_json,
                                       enabled=jax.process_index() == 0)
     try:                   # the views (TensorBoard) are closed on every path
@@ -532,8 +535,8 @@ def save_checkpoint(ckpts: checkpoint.Checkpoints, step: int, state, position: d
     needed, free = checkpoint.state_bytes(state), checkpoint.free_bytes(ckpts.directory)
     if free < needed:
         raise CheckpointSaveError(
-            f"cannot save checkpoint {step} in {ckpts.directory}: {free / 2**30:.2f} GiB free on its disk, one "
-            f"checkpoint needs about {needed / 2**30:.2f} GiB; {last_complete(ckpts, ' once there is room')}")
+            f"cannot save checkpoint {step} in {ckpts.directory}: {errors.byte_size(free)} free on its disk, one "
+            f"checkpoint needs about {errors.byte_size(needed)}; {last_complete(ckpts, ' once there is room')}")
     try:
         ckpts.save(step, state, position, config_json)
     except Exception as e:  # noqa: BLE001 - Orbax wraps I/O errors in its own types
@@ -604,12 +607,14 @@ def main(argv: list[str] | None = None) -> None:
     cli.setup_logging(quiet=("absl",))
     config, workdir = fv.config, fv.workdir
     # One line and exit 2 (bad input), 3 (run stopped), 130 (Ctrl-C); tracebacks only for bugs.
+    platform.choose()                  # before JAX starts its backends: the CPU where a plugin has no hardware
     with errors.reported("infjax.train", log):
         distributed.initialize()       # multi-host start-up, before any device is touched
         if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
             logging.getLogger("infjax").setLevel(logging.WARNING)
         try:
             run(config, workdir or os.path.join("runs", config.objective))
+            distributed.finished()
         except distributed.ProcessLost as e:   # one line, then out without the runtime's shutdown (it would
             errors.report("infjax.train", e, log)                   # wait for the lost process, then abort)
             distributed.leave(e.exit_code)

@@ -27,6 +27,7 @@ def result(tmp_path_factory):
     return json.loads(out.read_text()), p.stdout
 
 
+@pytest.mark.slow          # the bench's reduced form, one run shared by these four (~1 min)
 def test_the_report_has_every_section(result):
     report, _ = result
     for key in ("date", "jax", "jaxlib", "device", "form", "wall_s", "sections"):
@@ -37,6 +38,7 @@ def test_the_report_has_every_section(result):
     assert report["sections"]["vs_torch"] == {"skipped": "no accelerator"}
 
 
+@pytest.mark.slow          # the bench's reduced form, one run shared by these four (~1 min)
 def test_every_attention_implementation_matches_explicit(result):
     report, stdout = result
     rows = report["sections"]["attention"]
@@ -62,6 +64,7 @@ def test_every_attention_implementation_matches_explicit(result):
         assert f" {impl} " in stdout, stdout
 
 
+@pytest.mark.slow          # the bench's reduced form, one run shared by these four (~1 min)
 def test_the_interpret_mode_kernels_really_ran(result):
     """On CPU the GPU (pallas) and TPU (splash) kernels take every reduced shape in both dtypes: a silent fallback
     to explicit would make the comparison above vacuous. The C++ kernel takes float32 only: bf16 falls back, and
@@ -78,16 +81,26 @@ def test_the_interpret_mode_kernels_really_ran(result):
     assert all(r["max_abs_diff"]["out"] > 0 for r in rows if r["dtype"] == "bfloat16")
 
 
+# bf16 against float32 training, every step's loss: bf16 rounds activations to 8 bits of mantissa (~0.4%), and
+# a few steps of compounding stay within a few percent; a wrong cast (a float32 path in bf16, a bf16 reduction)
+# or a dtype that was never applied shows as zero difference or tens of percent.
+BF16_LOSS_REL = 0.05
+
+
+@pytest.mark.slow          # the bench's reduced form, one run shared by these four (~1 min)
 def test_bf16_training_follows_f32(result):
     num = result[0]["sections"]["numerics"]
     assert num["passed"], num
     for model in ("bert", "qwen2"):
         m = num[model]
-        assert len(m["loss_float32"]) == len(m["loss_bfloat16"]) == num["steps"] >= 2
-        assert all(math.isfinite(x) for x in m["loss_float32"] + m["loss_bfloat16"])
-        assert m["loss_float32"] != m["loss_bfloat16"]          # really two dtypes
-        assert m["max_rel_diff"] <= num["tolerance"]["relative"]
-        assert m["loss_float32"][-1] < m["loss_float32"][0]     # the steps train
+        f32, bf16 = m["loss_float32"], m["loss_bfloat16"]
+        assert len(f32) == len(bf16) == num["steps"] >= 2
+        assert all(math.isfinite(x) for x in f32 + bf16)
+        assert f32 != bf16                                      # really two dtypes
+        rel = max(abs(b - a) / abs(a) for a, b in zip(f32, bf16))   # from the curves, not the report's figure
+        assert rel <= BF16_LOSS_REL, (model, f32, bf16)
+        assert m["max_rel_diff"] == pytest.approx(rel, rel=1e-6)
+        assert f32[-1] < f32[0] and bf16[-1] < bf16[0]          # the steps train, in both dtypes
 
 
 def test_float32_tolerances_follow_the_platforms_default_precision():

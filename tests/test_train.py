@@ -1,7 +1,9 @@
-"""The trainer end to end on the embedded MiniLM and the synthetic corpus (8 fake CPU devices)."""
+"""The trainer end to end on the synthetic corpus (8 fake CPU devices): its mechanics on the tiny random BERT,
+learning on the embedded MiniLM."""
 import json
 import logging
 import os
+import signal
 
 import jax
 import numpy as np
@@ -16,37 +18,38 @@ from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import embed as embed_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.helpers.configs import run_parts, small_config  # noqa: E402
-
-
-def batch_loss(config, params, step=0):
-    """The objective on the global batch of `step` for `params` (plain, unsharded)."""
-    encoder, _, build, objective = run_parts(config)
-    loss, _ = jax.jit(embed_lib.make_loss_fn(encoder, objective))(params, build(step), None)
-    return float(loss)
+from infjax.training import writers as writers_lib  # noqa: E402
+from tests.helpers.configs import minilm_config, small_config  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
+    """6 steps of the tiny model, a metrics record per step, checkpoints at 3 and 6, evaluated before and after."""
     workdir = str(tmp_path_factory.mktemp("run"))
-    result = train.run(small_config(), workdir)
+    result = train.run(small_config(log_every=1), workdir)
     return workdir, result
 
 
-def test_short_run_lowers_the_training_loss(trained):
-    workdir, result = trained
-    config = small_config()
-    _, initial, _ = load_encoder(config.model)
-    before = batch_loss(config, initial)
-    after = batch_loss(config, jax.device_get(result.state.params))
-    assert after < before - 0.05, (before, after)
+def logged_losses(workdir):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if "loss" in r}
+
+
+def test_short_run_lowers_the_training_loss(tmp_path):
+    """Learning, so real weights: on 8 records (one batch, every step the same texts), 3 MiniLM steps lower the
+    loss, each step's below the one before (each logged loss is the batch's before that step's update; that the
+    first is the untrained loss is test_objectives_train's check)."""
+    config = minilm_config(**{"eval.synthetic": False, "data.synthetic.num_train": 8, "train.steps": 3,
+                              "log_every": 1, "checkpoint.every": 3})
+    result = train.run(config, str(tmp_path))
+    losses = [loss for _, loss in result.losses]
+    assert len(losses) == 3 and losses[0] > losses[1] > losses[2] and losses[2] < losses[0] - 0.2, losses
 
 
 def test_run_writes_metrics_eval_and_checkpoints(trained):
     workdir, result = trained
     assert result.final_step == 6
     lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-    assert [l["step"] for l in lines] == [2, 4, 6]
+    assert [l["step"] for l in lines] == [1, 2, 3, 4, 5, 6]
     for l in lines:
         assert {"loss", "learning_rate", "grad_norm", "examples_per_s"} <= set(l)
         assert np.isfinite(l["loss"]) and l["learning_rate"] >= 0
@@ -57,14 +60,49 @@ def test_run_writes_metrics_eval_and_checkpoints(trained):
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3", "6"]
 
 
-def test_resume_continues_from_the_latest_checkpoint(trained, caplog):
-    workdir, result = trained
+def test_sigterm_saves_and_the_resumed_run_has_the_uninterrupted_losses_bit_for_bit(trained, tmp_path, monkeypatch,
+                                                                                     caplog):
+    """SIGTERM in the middle of step 2's record: the step ends, checkpoint 2 is saved and the run returns (the
+    CLI's exit 0); resuming from it gives every later step the uninterrupted run's loss, bit for bit."""
+    whole, _ = trained
+    workdir = str(tmp_path / "cut")
+    write = writers_lib.Writers.write
+
+    def write_then_signal(self, record):
+        write(self, record)
+        if record.get("step") == 2 and "loss" in record:
+            os.kill(os.getpid(), signal.SIGTERM)        # delivered to the trainer's handler, as from a scheduler
+
+    monkeypatch.setattr(writers_lib.Writers, "write", write_then_signal)
     with caplog.at_level(logging.INFO, logger="infjax.train"):
-        resumed = train.run(small_config(resume=True, **{"train.steps": 8}), workdir)
+        cut = train.run(small_config(log_every=1), workdir)
+    assert cut.preempted == "SIGTERM" and cut.final_step == 2
+    assert "stopped by SIGTERM after step 2" in caplog.text
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["2"]
+    monkeypatch.setattr(writers_lib.Writers, "write", write)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="infjax.train"):
+        resumed = train.run(small_config(log_every=1, resume=True), workdir)
+    assert "resumed from step 2" in caplog.text and resumed.final_step == 6
+    steps = [json.loads(l)["step"] for l in open(os.path.join(workdir, "metrics.jsonl")) if '"loss"' in l]
+    assert steps == [1, 2, 3, 4, 5, 6]                     # each step once
+    assert logged_losses(workdir) == logged_losses(whole)   # float equality: bit for bit
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.params)),
+                    jax.tree.leaves(jax.device_get(trained[1].state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_resume_continues_from_the_latest_checkpoint(trained, tmp_path, caplog):
+    import shutil
+
+    workdir = str(tmp_path / "copy")
+    shutil.copytree(trained[0], workdir)
+    with caplog.at_level(logging.INFO, logger="infjax.train"):
+        resumed = train.run(small_config(resume=True, log_every=1, **{"train.steps": 8}), workdir)
     assert "resumed from step 6" in caplog.text
     assert resumed.final_step == 8
     lines = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
-    assert [l["step"] for l in lines] == [2, 4, 6, 8]
+    assert [l["step"] for l in lines if "loss" in l] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert "7" not in os.listdir(os.path.join(workdir, "checkpoints"))
 
 
@@ -103,9 +141,9 @@ def test_loss_and_gradients_do_not_depend_on_device_count():
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)
 
 
-@pytest.mark.slow      # in CI (.ci/run runs -m slow); the shared four_step_run trains from a local jsonl
 def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
-    """A local InF-IR file whose P+ column is the older `document` name trains through field_map=auto."""
+    """A local InF-IR file whose P+ column is the older `document` name is read through field_map=auto, its
+    instructions cut at their first newline, and trains."""
     from infjax.data import synthetic
 
     records = synthetic.make_train_records(24, seed=5)
@@ -116,8 +154,11 @@ def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
             r["document"] = r.pop("document_positive")
             r["instruction_positive"] += "\nextra text the cleaning must cut"
             f.write(json.dumps(r) + "\n")
-    result = train.run(small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False}),
-                       str(tmp_path / "run"))
+    config = small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False})
+    loaded = setup_lib.load_training_records(config.data)
+    assert [r["document_positive"] for r in loaded] == [r["document_positive"] for r in records]
+    assert [r["instruction_positive"] for r in loaded] == [r["instruction_positive"] for r in records]
+    result = train.run(config, str(tmp_path / "run"))
     assert result.final_step == 2 and np.isfinite(result.losses[-1][1])
 
 

@@ -370,8 +370,9 @@ def main(argv: list[str]) -> None:
               f"{full['examples_per_s']:.1f} examples/s; peak memory {full['peak_memory_per_device_bytes'] / 2**20:.1f}"
               f" MiB per device (compiled)")
         print(f"steps/s LoRA (rank {config.model.lora.rank}) {1 / r['step_s']:.3f}, full {1 / full['step_s']:.3f}: "
-              f"ratio LoRA / full {full['step_s'] / r['step_s']:.2f}x; compiled GFLOP per step LoRA "
-              f"{r['flops_per_step_per_device'] / 1e9:.0f}, full {full['flops_per_step_per_device'] / 1e9:.0f}")
+              f"ratio LoRA / full {full['step_s'] / r['step_s']:.2f}x; compiled GFLOP per step per device LoRA "
+              f"{r['compiled_flops_per_step_per_device'] / 1e9:.4g}, full "
+              f"{full['compiled_flops_per_step_per_device'] / 1e9:.4g}")
     if fv.vs_torch:
         build = r["setup"].build
         steps = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(fv.warmup + fv.steps)]

@@ -449,7 +449,10 @@ def test_cli_names_a_bad_flag_before_loading_anything(tmp_path):
 @pytest.mark.slow
 def test_the_output_trains_3_steps(curated, tmp_path):
     data = os.path.join(curated[0], "curated.parquet")
-    overrides = [f"--config.data.source={data}", "--config.train.steps=3", "--config.train.batch_size=8",
+    from tests.helpers.tiny import tiny_bert_path
+
+    overrides = [f"--config.data.source={data}", f"--config.model.checkpoint={tiny_bert_path()}",
+                 "--config.train.steps=3", "--config.train.batch_size=8",
                  "--config.data.query_max_len=48", "--config.data.passage_max_len=64",
                  "--config.loss.instruction_negatives=2", "--config.log_every=1", "--config.checkpoint.every=3",
                  "--config.eval.synthetic=False", "--config.eval.canary=", "--config.log.writers=jsonl"]

@@ -10,7 +10,7 @@ from infjax.data import packing
 from infjax.models import attention as A
 from infjax.models.encoder import Encoder
 from infjax.models.registry import FAMILIES
-from tests.helpers.backbones import VOCAB, tiny_checkpoint
+from tests.helpers.backbones import VOCAB
 from tests.helpers.configs import small_config
 from tests.helpers.targets import tiny_folder
 
@@ -165,18 +165,25 @@ def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
         packing.pack(tokens, 2, capacity, 0, "passages", chunks=5)
 
 
-def _checkpoint(family, tmp_path_factory):
-    if family != "bert":
-        return tiny_checkpoint(family, tmp_path_factory)[0]
-    torch = pytest.importorskip("torch")
-    import transformers
+_CHECKPOINTS = {}
 
-    torch.manual_seed(0)
-    model = transformers.BertModel(transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                                                           num_attention_heads=4, intermediate_size=48)).eval()
-    folder = str(tmp_path_factory.mktemp("tiny_bert_packing"))
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+
+def _checkpoint(family, tmp_path_factory):
+    """A random tiny checkpoint of `family` written from numpy through infjax's name map: no torch, so
+    packed == padded runs for every family on every CI leg (the families' parity with transformers is
+    tests/models/test_backbones.py's and test_bert.py's)."""
+    if family not in _CHECKPOINTS:
+        import transformers
+
+        from tests.helpers.backbones import _hf_config
+        from tests.helpers.tiny import write_random_checkpoint
+
+        config = (transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=4, intermediate_size=48) if family == "bert"
+                  else _hf_config(family)).to_dict()
+        folder = str(tmp_path_factory.mktemp(f"packing_{family}"))
+        _CHECKPOINTS[family] = write_random_checkpoint(family, config, folder, tokenizer=False)
+    return _CHECKPOINTS[family]
 
 
 @pytest.mark.parametrize("impl", ["explicit", "xla"])
@@ -190,16 +197,17 @@ def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_fa
     packed = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
     weights = jnp.asarray(np.random.default_rng(2).normal(size=(len(LENGTHS), module.config.hidden_size)),
                           jnp.float32)
-    for pooling in ("mean", "cls", "last"):
-        encoder = Encoder(module, pooling, fam.padding_side, family)
-        padded_fn = jax.jit(lambda p: encoder(p, ids, mask))
-        packed_fn = jax.jit(lambda p: encoder.packed(p, packed))
-        np.testing.assert_allclose(packed_fn(params), padded_fn(params), atol=1e-5, err_msg=pooling)
-        if pooling == fam.default_pooling:
-            g_pad = jax.grad(lambda p: jnp.sum(encoder(p, ids, mask) * weights))(params)
-            g_pack = jax.grad(lambda p: jnp.sum(encoder.packed(p, packed) * weights))(params)
-            scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_pad))
-            jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), g_pack, g_pad)
+    encoders = {pooling: Encoder(module, pooling, fam.padding_side, family) for pooling in ("mean", "cls", "last")}
+    # one program for the three poolings (one encoder pass in it), padded and packed
+    padded = jax.jit(lambda p: {k: e(p, ids, mask) for k, e in encoders.items()})(params)
+    packed_out = jax.jit(lambda p: {k: e.packed(p, packed) for k, e in encoders.items()})(params)
+    for pooling in encoders:
+        np.testing.assert_allclose(packed_out[pooling], padded[pooling], atol=1e-5, err_msg=pooling)
+    encoder = encoders[fam.default_pooling]
+    g_pad = jax.jit(jax.grad(lambda p: jnp.sum(encoder(p, ids, mask) * weights)))(params)
+    g_pack = jax.jit(jax.grad(lambda p: jnp.sum(encoder.packed(p, packed) * weights)))(params)
+    scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g_pad))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), g_pack, g_pad)
 
 
 @pytest.mark.parametrize("objective,interaction", [("multi_piiq", "concat"),

@@ -2,8 +2,9 @@
 from infjax import config as config_lib
 
 
-def small_config(objective="multi_pi", **overrides):
-    """The trainer tests' run (from test_train): the embedded MiniLM on 48 synthetic records, 6 steps."""
+def minilm_config(objective="multi_pi", **overrides):
+    """The trainer tests' run on the embedded MiniLM (real weights) and 48 synthetic records, 6 steps: for tests
+    that claim learning or parity with real weights."""
     c = config_lib.base_config(objective)
     c.data.synthetic.num_train = 48
     c.data.synthetic.num_eval_queries = 6
@@ -20,14 +21,28 @@ def small_config(objective="multi_pi", **overrides):
     return config_lib.override(c, overrides)
 
 
+def tiny_config(objective="multi_pi", **overrides):
+    """`minilm_config`'s run on the tiny random BERT (tests/helpers/tiny.py): for the tests that prove
+    mechanics (resume, restores, several processes, packing, sharding, writers, refusals), where two runs of
+    the same model are compared or a path must work, and learning is not the claim."""
+    from tests.helpers.tiny import tiny_bert_path
+
+    return minilm_config(objective, **{"model.checkpoint": tiny_bert_path(), **overrides})
+
+
+small_config = tiny_config
+
+
 EXPORT_MAX_LEN = 48
 
 
 def small_export_config(**overrides):
-    """The embedded default (MiniLM, synthetic data), cut to a few seconds of training.
+    """The embedded default's run (synthetic data) on the tiny random BERT, cut to 3 steps: the run that
+    test_export exports and test_mteb scores."""
+    from tests.helpers.tiny import tiny_bert_path
 
-    The run that test_export exports and test_mteb scores (from test_export, where it was `small_config`)."""
     c = config_lib.base_config("multi_pi")
+    c.model.checkpoint = tiny_bert_path()
     c.data.synthetic.num_train = 24
     c.data.synthetic.num_eval_queries = 6
     c.data.query_max_len = EXPORT_MAX_LEN
@@ -49,8 +64,8 @@ def changed(config, **overrides):
 
 
 def run_parts(config):
-    """(encoder, params, batch builder, objective) of `config`'s run, unsharded: texts padded to 48
-    tokens, no packing; `build(step)` is the global batch of a step."""
+    """(encoder, params, batch builder, objective) of `config`'s run, unsharded: texts padded to the config's
+    lengths, no packing; `build(step)` is the global batch of a step."""
     from infjax import losses
     from infjax.data import batches
     from infjax.data.tokenize import TextFormat, Tokenizer
@@ -61,5 +76,6 @@ def run_parts(config):
     records = setup_lib.load_training_records(config.data)
     plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
     sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)
-    return encoder, params, build, losses.Objective.from_name(config.objective)
+    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), config.data.query_max_len,
+                                 config.data.passage_max_len, config.data.hard_negatives, sampler)
+    return encoder, params, build, losses.Objective.from_name(config.objective, config.loss.temperature)

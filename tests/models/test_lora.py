@@ -99,9 +99,9 @@ def test_adapter_gradient_is_the_dense_gradient_projected(tmp_path_factory):
 
     np.testing.assert_allclose(np.asarray(enc(tree, ids, mask)), np.asarray(plain(merged, ids, mask)), atol=2e-6)
     trainable, frozen = lora.split({"shared": tree})
-    g_adapters = jax.grad(lambda t: _embedding_loss(enc, lora.combine(t, frozen)["shared"], ids, mask, weights))(
-        trainable)["shared"]
-    g_dense = jax.grad(lambda p: _embedding_loss(plain, p, ids, mask, weights))(merged)
+    g_adapters = jax.jit(jax.grad(lambda t: _embedding_loss(enc, lora.combine(t, frozen)["shared"], ids, mask,
+                                                            weights)))(trainable)["shared"]
+    g_dense = jax.jit(jax.grad(lambda p: _embedding_loss(plain, p, ids, mask, weights)))(merged)
     checked, worst = 0, 0.0
     for layer in ("layer_0", "layer_1"):
         for block, proj in [("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")] + \

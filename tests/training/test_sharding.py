@@ -72,7 +72,7 @@ def test_state_is_created_sharded_with_moments_like_their_parameters():
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
     kernel = state.params["shared"]["layer_0"]["intermediate"]["kernel"]
     assert kernel.sharding.spec == P("fsdp", None)
-    assert kernel.addressable_shards[0].data.shape == (96, 1536)
+    assert kernel.addressable_shards[0].data.shape == (32 // 4, 64)
     adam = state.opt_state[1][0]
     assert adam.mu["shared"]["layer_0"]["intermediate"]["kernel"].sharding.spec == P("fsdp", None)
     assert adam.nu["shared"]["layer_0"]["intermediate"]["kernel"].sharding.spec == P("fsdp", None)
@@ -102,7 +102,6 @@ def _two_steps(config, mesh):
     return seen, jax.device_get(state.params), state
 
 
-@pytest.mark.slow      # two compiled steps; in CI (.ci/run runs -m slow)
 def test_fsdp_step_equals_the_replicated_step():
     config = small_config()
     base_losses, base_params, _ = _two_steps(config, _mesh(8, 1))
@@ -124,7 +123,7 @@ def test_checkpoint_from_data8_restores_onto_data2_fsdp4(tmp_path):
     replicated = load_run(workdir)
     sharded = load_run(workdir, mesh=_mesh(2, 4))
     kernel = sharded.params["shared"]["layer_0"]["intermediate"]["kernel"]
-    assert kernel.sharding.spec == P("fsdp", None) and kernel.addressable_shards[0].data.shape == (96, 1536)
+    assert kernel.sharding.spec == P("fsdp", None) and kernel.addressable_shards[0].data.shape == (32 // 4, 64)
     assert replicated.params["shared"]["layer_0"]["intermediate"]["kernel"].sharding.spec == P(None, None)
     for a, b in zip(jax.tree.leaves(replicated.params), jax.tree.leaves(sharded.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -162,8 +161,9 @@ def _llama_1b_train_step_compiled(scan_layers: bool):
     return lowered, lowered.compile(), out_state, metrics, sum(x.size for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("scan_layers", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_llama_1b_train_step_compiles_with_fsdp_from_abstract_inputs(scan_layers):
+def test_llama_1b_train_step_compiles_with_fsdp_from_abstract_inputs():
+    """Scanned layers: the layout fsdp users are told to use (docs/scale.md)."""
+    scan_layers = True
     lowered, compiled, out_state, metrics, n_params = _llama_1b_train_step_compiled(scan_layers)
     assert 1.2e9 < n_params < 1.3e9
     m = compiled.memory_analysis()
@@ -184,12 +184,12 @@ def test_fsdp_keeps_the_rows_split_between_layers():
     from infjax.models.decoder import DecoderConfig, DecoderModel
 
     mesh = _mesh(1, 8)
-    config = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=2048, num_hidden_layers=2,
+    config = DecoderConfig(vocab_size=128, hidden_size=64, intermediate_size=1024, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    ids = np.random.default_rng(0).integers(1, 128, size=(64, 128)).astype(np.int32)
+    ids = np.random.default_rng(0).integers(1, 128, size=(32, 64)).astype(np.int32)
     ids = jax.device_put(ids, mesh_lib.batch_sharding(mesh))
     plain = DecoderModel(config)
-    params = plain.init(jax.random.PRNGKey(0), ids[:1], np.ones((1, 128), np.int32))["params"]
+    params = plain.init(jax.random.PRNGKey(0), ids[:1], np.ones((1, 64), np.int32))["params"]
     params = jax.device_put(params, partitioning.param_shardings(params, plain, mesh))
 
     def compiled(module):
@@ -202,15 +202,17 @@ def test_fsdp_keeps_the_rows_split_between_layers():
     grads_free, grads_held = free(params, ids), held(params, ids)
     for a, b in zip(jax.tree.leaves(grads_free), jax.tree.leaves(grads_held)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
-    # [64, 128, 2048] float32 MLP activations are 64 MiB for the whole batch, 8 MiB per device's rows.
+    # [32, 64, 1024] float32 MLP activations are 8 MiB for the whole batch, 1 MiB per device's rows.
     temp_free, temp_held = (c.memory_analysis().temp_size_in_bytes for c in (free, held))
     assert temp_held < temp_free / 3, (temp_free / 2**20, temp_held / 2**20)
 
 
 def test_cpu_step_is_scheduled_for_memory():
     """On CPU the step is compiled with XLA's memory-optimised schedule: fewer temporaries than the same
-    step under the default (concurrency-optimised) schedule, and the same results."""
-    config = small_config()
+    step under the default (concurrency-optimised) schedule, and the same results (the tiny BERT on 32 records
+    of up to 256 tokens: activations, not weights, make most of the temporaries)."""
+    config = small_config(**{"train.batch_size": 32, "data.synthetic.num_train": 64, "data.query_max_len": 128,
+                             "data.passage_max_len": 256})
     mesh = _mesh(8, 1)
     encoder, params, build, objective = run_parts(config)
     optimizer, schedule = state_lib.make_optimizer(config.train, 10)
@@ -229,7 +231,7 @@ def test_cpu_step_is_scheduled_for_memory():
     (temp_mem, loss_mem, params_mem), (temp_def, loss_def, params_def) = results["memory"], results["default"]
     print(f"temporaries per device: memory schedule {temp_mem / 2**20:.1f} MiB, default {temp_def / 2**20:.1f} MiB")
     assert runtime_cpu.compiler_options(mesh) == runtime_cpu.COMPILER_OPTIONS
-    assert temp_mem < 0.95 * temp_def        # 387 vs 417 MiB when written
+    assert temp_mem < 0.95 * temp_def        # 47 vs 52 MiB when written (jax 0.10.2 and 0.12.0.1)
     assert loss_mem == pytest.approx(loss_def, rel=1e-6)
     for a, b in zip(jax.tree.leaves(params_mem), jax.tree.leaves(params_def)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -219,7 +219,7 @@ LOG_RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ infjax\S* (INFO|WAR
 BAR = re.compile(r"train:\s+\d+%|\d+/12 \[")
 
 
-@pytest.mark.slow      # end to end (40-120 s here): in CI's slow run, out of the default suite
+@pytest.mark.slow      # the CLI on a pseudo-terminal (the tiny BERT); in CI's slow run
 def test_bar_and_log_lines_never_share_a_terminal_line(tmp_path):
     """A 12-step run on a pseudo-terminal (stdout and stderr), a log line every 2 steps: every piece of the
     output between carriage returns and newlines is a log record or a bar, never both."""
@@ -231,7 +231,10 @@ def test_bar_and_log_lines_never_share_a_terminal_line(tmp_path):
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    from tests.helpers.tiny import tiny_bert_path
+
     proc = subprocess.Popen([sys.executable, "-m", "infjax.train", "--config=configs/multi_pi.py",
+                             f"--config.model.checkpoint={tiny_bert_path()}",
                              f"--workdir={tmp_path / 'run'}", "--config.train.steps=12", "--config.log_every=2",
                              "--config.eval.synthetic=False", "--config.eval.canary="],
                             cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=child, stderr=child)
