@@ -342,14 +342,13 @@ def test_cpu_calls_are_cache_sized_and_accelerator_calls_scale_with_the_batch():
 
 
 def test_packed_text_embedder_equals_padded_on_8_devices():
-    """Corpus encoding, packed over a data=8 mesh == padded (MiniLM); more texts than one call holds."""
-    from infjax.config import base_config
+    """Corpus encoding, packed over a data=8 mesh == padded (the tiny BERT); more texts than one call holds."""
     from infjax.data.tokenize import Tokenizer
     from infjax.inference.embedders import TextEmbedder
     from infjax.models.encoder import load_encoder
     from infjax.runtime.mesh import default_mesh, replicated
 
-    encoder, params, path = load_encoder(base_config("multi_pi").model)
+    encoder, params, path = load_encoder(small_config("multi_pi").model)
     mesh = default_mesh()
     params = jax.device_put(params["shared"], replicated(mesh))
     rng = np.random.default_rng(0)

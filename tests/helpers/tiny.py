@@ -1,10 +1,10 @@
 """A tiny random BERT for the tests that prove mechanics, not learning.
 
-Two layers of width 32 (2 heads of 16) with all-MiniLM-L6-v2's tokenizer and vocabulary, made from numpy (no torch, so the
-Python 3.12 leg can build it) and written as a Hugging Face folder through infjax's own name map. Every test
-that compares two runs of the same model (exact resume, SIGTERM, restores onto other meshes, several
-processes against one, packed against padded, ...) proves the same with it as with MiniLM, in a fraction of
-the compile and step time. Tests that claim learning or parity with real weights keep MiniLM.
+Two layers of width 32 (2 heads of 16) with all-MiniLM-L6-v2's tokenizer and vocabulary, made from numpy (no
+torch, so the Python 3.12 leg can build it) and written as a Hugging Face folder through infjax's own name
+map. Every test that compares two runs of the same model (exact resume, SIGTERM, restores onto other meshes,
+several processes against one, packed against padded, ...) proves the same with it as with MiniLM, in a
+fraction of the compile and step time. Tests that claim learning or parity with real weights keep MiniLM.
 """
 from __future__ import annotations
 

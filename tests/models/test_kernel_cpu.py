@@ -106,10 +106,22 @@ def test_auto_takes_the_kernel_on_cpu_and_the_environment_overrides_it(monkeypat
         A.choose(q, q)
 
 
+@pytest.fixture(scope="module")
+def built_library():
+    """The kernel as the default cache holds it (built there once if it is not)."""
+    return C._build()
+
+
 @pytest.mark.parametrize("damage", ["truncated", "no record"])
-def test_a_damaged_library_in_the_cache_is_built_again_not_loaded(tmp_path, monkeypatch, caplog, damage):
+def test_a_damaged_library_in_the_cache_is_built_again_not_loaded(tmp_path, monkeypatch, caplog, damage,
+                                                                   built_library):
+    import shutil
+
     monkeypatch.setenv("INFJAX_KERNEL_CACHE", str(tmp_path / "cache"))
-    library = C._build()
+    library = C.cache_dir() / built_library.name              # a cache holding a good build, then damaged
+    library.parent.mkdir(parents=True)
+    for name in (built_library.name, built_library.name + ".sha256"):
+        shutil.copy(built_library.parent / name, library.parent / name)
     whole = library.read_bytes()
     if damage == "truncated":
         library.write_bytes(whole[: len(whole) // 3])             # what a full disk or a kill mid-copy leaves

@@ -294,10 +294,17 @@ def test_a_second_config_file_is_refused_naming_both(argv, capsys):
 
 
 @pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
-def test_a_config_file_that_does_not_parse_is_one_line(tmp_path, command):
+def test_a_config_file_that_does_not_parse_is_one_line(tmp_path, command, capfd):
+    from infjax import bench
+
     broken = tmp_path / "broken.py"
     broken.write_text("def get_config(arg=None):\n    return {\n")
-    code, out = _cli(*command, f"--config={broken}")
+    try:               # in process: refused while the flags are read, before anything starts
+        code = train.main([f"--config={broken}"]) if command == ["infjax.train"] else \
+            bench.main([command[1], f"--config={broken}"])
+    except SystemExit as e:
+        code = e.code
+    out = "".join(capfd.readouterr())
     assert code == 2 and "Traceback" not in out, out
     assert len(out.strip().splitlines()) == 1 and f"--config={broken}:" in out and "line 2" in out, out
 

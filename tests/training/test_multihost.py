@@ -27,21 +27,22 @@ from tests.helpers.evaluation import write_beir  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 from tests.helpers.tiny import tiny_bert_path  # noqa: E402
 
-STEPS = 6
+STEPS = 6                # the tiny model's runs
+DEFAULT_STEPS = 3        # the rehearsal's, on MiniLM
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The default config run by one process on 8 devices for STEPS steps, each logged: what every 2-process
-    run here must reproduce (checkpoint.every changes no loss)."""
+    """The default config run by one process on 8 devices for DEFAULT_STEPS steps, each logged: what the
+    2-process rehearsal must reproduce."""
     workdir = str(tmp_path_factory.mktemp("reference"))
-    train.run(_default_config(**{"train.steps": STEPS, "log_every": 1}), workdir)
+    train.run(_default_config(**{"train.steps": DEFAULT_STEPS, "log_every": 1}), workdir)
     return workdir
 
 
 @pytest.fixture(scope="module")
 def tiny_reference(tmp_path_factory):
-    """`reference` on the tiny random BERT."""
+    """The default config on the tiny random BERT, STEPS steps, each logged (checkpoint.every changes no loss)."""
     workdir = str(tmp_path_factory.mktemp("tiny_reference"))
     train.run(_default_config(**{"train.steps": STEPS, "log_every": 1, "model.checkpoint": tiny_bert_path()}), workdir)
     return workdir
@@ -95,7 +96,7 @@ def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp
     """The README's multi-host rehearsal with the default config: exit 0 on both processes, the same
     eval.json (the synthetic split and the canaries), losses and parameters as one process on 8 devices."""
     multi, single = str(tmp_path / "multi"), reference
-    logs = _launch(2, "--config=configs/multi_pi.py", f"--workdir={multi}", f"--config.train.steps={STEPS}",
+    logs = _launch(2, "--config=configs/multi_pi.py", f"--workdir={multi}", f"--config.train.steps={DEFAULT_STEPS}",
                    "--config.log_every=1")
     assert re.search(r"start-up: INFJAX_COORDINATOR: process 1 of 2 \(coordinator 127\.0\.0\.1:\d+\); local devices "
                      r"\d+-\d+ \(4 x cpu\); 8 devices in all \(cpu\)$", logs[1], re.MULTILINE), logs[1][:3000]
@@ -103,7 +104,7 @@ def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp
 
     a, b = _losses(single), _losses(multi)
     print("1 process:", a, "\n2 processes:", b)
-    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, STEPS + 1))
+    assert [s for s, _ in a] == [s for s, _ in b] == list(range(1, DEFAULT_STEPS + 1))
     np.testing.assert_allclose([v for _, v in b], [v for _, v in a], rtol=1e-5)
     # real tokens/s is summed over the processes: per logged step, tokens per example is the global batch's
     # (time cancels), whether one process counted them or two did, each its half.
