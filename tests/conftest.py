@@ -10,9 +10,15 @@ import os
 
 from tests.helpers.paths import ROOT
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+# LLVM's optimisation level for the code XLA generates (INFJAX_TEST_XLA_OPT_LEVEL; empty: XLA's default). The
+# tests' programs are small and run a few times, so compiling them dominates: at 0 a cold default suite takes
+# 15% less time. Only the generated machine code changes (the optimised HLO, the memory plan and the
+# results under the tests' tolerances stay the same); what infjax compiles for users is untouched. CI runs the
+# compile-only GPU/TPU tests at XLA's default.
+OPT_LEVEL = os.environ.setdefault("INFJAX_TEST_XLA_OPT_LEVEL", "0")
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    *([f"--xla_backend_optimization_level={OPT_LEVEL}"] if OPT_LEVEL else [])]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

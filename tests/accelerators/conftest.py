@@ -1,5 +1,6 @@
 """The compile-only GPU/TPU tests run the target's compiler every time: no persistent compilation cache here
-(tests/conftest.py sets one for the rest of the suite), for this process and the ones it starts."""
+(tests/conftest.py sets one for the rest of the suite), for this process and the ones it starts. Run them on
+their own with INFJAX_TEST_XLA_OPT_LEVEL= (empty) to compile at XLA's default optimisation level, as CI does."""
 import os
 
 import pytest
