@@ -16,9 +16,10 @@ from tests.helpers.paths import ROOT
 # results under the tests' tolerances stay the same); what infjax compiles for users is untouched. CI runs the
 # compile-only GPU/TPU tests at XLA's default.
 OPT_LEVEL = os.environ.setdefault("INFJAX_TEST_XLA_OPT_LEVEL", "0")
+OPT_LEVEL_VALID = OPT_LEVEL in ("", "0", "1", "2", "3")         # else refused by pytest_configure below
 os.environ["XLA_FLAGS"] = " ".join([
     os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    *([f"--xla_backend_optimization_level={OPT_LEVEL}"] if OPT_LEVEL else [])]).strip()
+    *([f"--xla_backend_optimization_level={OPT_LEVEL}"] if OPT_LEVEL and OPT_LEVEL_VALID else [])]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -77,6 +78,11 @@ def _release_compiled_programs(request):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests that take minutes (deselect with -m 'not slow')")
+    if not OPT_LEVEL_VALID:
+        raise pytest.UsageError(f"INFJAX_TEST_XLA_OPT_LEVEL={OPT_LEVEL!r}: expected 0, 1, 2, 3 or empty (XLA's "
+                                f"default)")
+
+
 @pytest.fixture(scope="session")
 def four_step_run(tmp_path_factory):
     """One small run shared by the fault-tolerance and hardening tests (copy it before changing it).

@@ -72,6 +72,11 @@ def _ranges(ids) -> str:
     return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in out)
 
 
+def _kinds(devices) -> str:
+    """"8 x NVIDIA H100 80GB HBM3", or several kinds joined by commas."""
+    return ", ".join(f"{n} x {k}" for k, n in collections.Counter(d.device_kind for d in devices).items())
+
+
 def _answers(address: str, timeout: float = 2.0) -> bool:
     """Whether something accepts TCP connections at host:port."""
     host, _, port = address.rpartition(":")
@@ -187,7 +192,7 @@ def check_allocation(layout: clusters.Layout, local_devices: int) -> None:
     """Stop where the scheduler gave this process more or fewer GPUs than JAX shows it."""
     if layout.allocated is None or layout.allocated == local_devices:
         return
-    kinds = ", ".join(f"{n} x {k}" for k, n in collections.Counter(d.device_kind for d in jax.local_devices()).items())
+    kinds = _kinds(jax.local_devices())
     if platform.name() == "cpu":
         fix = ("JAX runs on the CPU here: install JAX for CUDA (pip install -e \".[gpu]\"); for a CPU rehearsal, "
                f"--xla_force_host_platform_device_count={layout.allocated} in XLA_FLAGS")
@@ -205,7 +210,7 @@ def start_up_line(layout: clusters.Layout) -> str:
     8-15 (8 x NVIDIA H100 80GB HBM3; JAX given local_device_ids 0-7 of CUDA_VISIBLE_DEVICES=0,...,7); 16
     devices in all (gpu)"."""
     local = jax.local_devices()
-    kinds = ", ".join(f"{n} x {k}" for k, n in collections.Counter(d.device_kind for d in local).items())
+    kinds = _kinds(local)
     given = ""
     if layout.local_device_ids is not None:
         given = f"; JAX given local_device_ids {_ranges(layout.local_device_ids)}"

@@ -69,6 +69,15 @@ def _visible(out: str) -> list[str]:
     return sorted(re.findall(r"JAX distributed initialized with visible devices: (\S+)", out))
 
 
+def _both_started(code: int, out: str) -> dict[int, str]:
+    """The start-up lines of a 2-process job that ended with exit status 0, one from each process."""
+    lines = _start_up(out)
+    print(code, "\n".join(lines.values()))
+    assert code == 0, out[-4000:]
+    assert sorted(lines) == [0, 1]
+    return lines
+
+
 def _same_losses(workdir, reference):
     got = _losses(workdir)
     print("2 processes:", got, "\n1 process:  ", reference)
@@ -80,10 +89,7 @@ def test_slurm_one_task_per_node_owns_every_gpu_of_its_node(tmp_path, reference)
     """sbatch launch/slurm_gpu.sbatch on 2 nodes of 2 GPUs each (JAX's default would give each task GPU 0 alone)."""
     workdir = str(tmp_path / "run")
     code, out = _run(["sbatch", "--gpus-per-node=2", "launch/slurm_gpu.sbatch", *_flags(workdir)], _env(tmp_path, 2))
-    lines = _start_up(out)
-    print(code, "\n".join(lines.values()))
-    assert code == 0, out[-4000:]
-    assert sorted(lines) == [0, 1]
+    lines = _both_started(code, out)
     for i, line in lines.items():
         assert line.startswith(f"start-up: SLURM (srun, 1 task per node): process {i} of 2 (coordinator localhost:")
         assert "(2 x cpu; JAX given local_device_ids 0-1 of CUDA_VISIBLE_DEVICES=0,1)" in line
@@ -98,23 +104,18 @@ def test_slurm_one_task_per_gpu_takes_the_gpu_srun_bound_it_to(tmp_path, referen
     workdir = str(tmp_path / "run")
     code, out = _run(["sbatch", "--nodes=1", "--ntasks-per-node=2", "launch/slurm_gpu_per_task.sbatch",
                       *_flags(workdir)], _env(tmp_path, 1))
-    lines = _start_up(out)
-    print(code, "\n".join(lines.values()))
-    assert code == 0, out[-4000:]
+    lines = _both_started(code, out)
     for i, line in lines.items():
         assert line.startswith(f"start-up: SLURM (srun, 2 tasks per node): process {i} of 2")
         assert f"(1 x cpu; JAX given local_device_ids 0 of CUDA_VISIBLE_DEVICES={i})" in line
-    assert sorted(lines) == [0, 1] and _visible(out) == ["0", "0"]
+    assert _visible(out) == ["0", "0"]
     _same_losses(workdir, reference)
 
 
 def test_open_mpi_mpirun(tmp_path, reference):
     workdir = str(tmp_path / "run")
     code, out = _run(["mpirun", "-np", "2", sys.executable, "-m", "infjax.train", *_flags(workdir)], _env(tmp_path, 2))
-    lines = _start_up(out)
-    print(code, "\n".join(lines.values()))
-    assert code == 0, out[-4000:]
-    assert sorted(lines) == [0, 1]
+    lines = _both_started(code, out)
     for i, line in lines.items():
         assert line.startswith(f"start-up: Open MPI (mpirun, 2 ranks per node): process {i} of 2 "
                                f"(coordinator 127.0.0.1:")
@@ -128,10 +129,7 @@ def test_cloud_tpu_vm_pod_through_tpu_pod_sh(tmp_path, reference):
     workdir = str(tmp_path / "run")
     code, out = _run(["bash", "launch/tpu_pod.sh", "my-tpu", "us-central2-b", *_flags(workdir)],
                      _env(tmp_path, 4, INFJAX_DIR=ROOT))
-    lines = _start_up(out)
-    print(code, "\n".join(lines.values()))
-    assert code == 0, out[-4000:]
-    assert sorted(lines) == [0, 1]
+    lines = _both_started(code, out)
     for i, line in lines.items():
         assert line.startswith(f"start-up: Cloud TPU VM (the pod from the metadata server): process {i} of 2 "
                                f"(coordinator 127.0.0.1:")
