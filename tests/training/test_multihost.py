@@ -122,7 +122,11 @@ def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp
             assert ev_b[when]["canary"][spec] == pytest.approx(metrics, abs=1e-5), (when, spec)
     diff = _max_param_diff(single, multi)
     print(f"2 processes vs 1 process: max |param diff| {diff:.3g}")
-    assert diff < 1e-5
+    # Two processes sum the gradient in another order than one: float32 rounding, ~1e-7 of a gradient. AdamW
+    # divides each coordinate's step by its own gradient's size, so a coordinate whose gradient is near zero moves
+    # by up to a learning rate (5e-5) either way: no coordinate may differ by half of one step's update (measured:
+    # 1.1e-5 on the 2-core machine, 2026-11-27).
+    assert diff < 0.5 * 5e-5
 
 
 @pytest.mark.slow

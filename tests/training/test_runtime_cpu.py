@@ -86,20 +86,25 @@ def test_restart_keeps_the_process_and_its_arguments_and_adds_the_tunable():
 
 FAULTS = """
     import resource, jax, jax.numpy as jnp
-    f = jax.jit(lambda x, w: (jnp.tanh(x @ w) @ w.T).sum())   # tanh(x @ w) [16384, 1024], 64 MiB: a temporary
+    def step(x, w):
+        t = jnp.tanh(x @ w)                # [16384, 1024], 64 MiB: a temporary (the sort needs it whole: XLA:CPU
+        return (t @ w.T).sum() + jnp.sort(t[:, :8], axis=0).sum()    # cannot tile it away into one fusion)
+    f = jax.jit(step)
     x, w = jnp.ones((16384, 256)), jnp.ones((256, 1024)) / 256
+    temp = f.lower(x, w).compile().memory_analysis().temp_size_in_bytes
     for _ in range(3):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x, w).block_until_ready()
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(temp, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 @needs_madvise
 def test_with_the_tunable_a_step_faults_its_temporary_in_by_huge_pages():
     pages = 16384 * 1024 * 4 // 4096                                    # 16,384 small pages
-    plain = int(_run(FAULTS, _env()).strip())
-    huge = int(_run(FAULTS, _env(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")).strip())
+    temp, plain = map(int, _run(FAULTS, _env()).split())
+    _, huge = map(int, _run(FAULTS, _env(GLIBC_TUNABLES="glibc.malloc.hugetlb=1")).split())
+    assert temp >= pages * 4096, temp                                   # the program has the temporary
     assert plain >= pages // 2, plain                                   # mapped afresh each call, 4 KiB at a time
     assert huge <= plain // 10, (huge, plain)
 
