@@ -94,7 +94,9 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
     c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
     c.model.scan_layers = False        # run layers with nn.scan (one compiled layer); use it with fsdp for big
-                                       # models: unrolled, XLA gathers every layer's kernels at once
+                                       # models: unrolled, XLA gathers every layer's kernels at once. Encoders
+                                       # stay unrolled: scanned, BERT-base's H100 step launches 2.1x the kernels
+                                       # and needs 2x the memory (docs/benchmarks.md, bf16 gradients)
     c.model.lora = ml_collections.ConfigDict()   # low-rank adapters (docs/lora.md): train A, B; the base is frozen
     c.model.lora.rank = 0              # r of every adapter; 0 = off (the whole backbone trains)
     c.model.lora.alpha = 32.0          # the update is (alpha / rank) * x A B

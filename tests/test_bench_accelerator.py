@@ -32,8 +32,9 @@ def test_the_report_has_every_section(result):
     report, _ = result
     for key in ("date", "jax", "jaxlib", "device", "form", "wall_s", "sections"):
         assert key in report
-    assert report["form"] == "reduced"
+    assert report["form"] == "reduced" and report["order"] == ["numerics", "scale", "attention"]
     assert set(report["sections"]) == {"attention", "numerics", "scale", "vs_torch"}
+    assert set(report["section_s"]) == {"numerics", "scale", "attention"}
     assert report["sections"]["scale"] == {"skipped": "no accelerator"}
     assert report["sections"]["vs_torch"] == {"skipped": "no accelerator"}
 
@@ -101,6 +102,11 @@ def test_bf16_training_follows_f32(result):
         assert rel <= BF16_LOSS_REL, (model, f32, bf16)
         assert m["max_rel_diff"] == pytest.approx(rel, rel=1e-6)
         assert f32[-1] < f32[0] and bf16[-1] < bf16[0]          # the steps train, in both dtypes
+        # every parameter's gradient, bf16 against float32: the worst leaves first, each within the tolerance
+        g = m["gradients"]
+        assert g["passed"] and g["tolerance"] == 0.3 and g["leaves"] > 10 and len(g["worst"]) == 5
+        worst = [leaf["relative"] for leaf in g["worst"]]
+        assert worst == sorted(worst, reverse=True) and 0 < worst[0] <= g["tolerance"]
 
 
 def test_float32_tolerances_follow_the_platforms_default_precision():
@@ -113,6 +119,42 @@ def test_float32_tolerances_follow_the_platforms_default_precision():
     assert accelerator.tolerance("bfloat16", "gpu") == accelerator.tolerance("bfloat16", "cpu") == 3e-2
 
 
+@pytest.mark.slow          # the numerics section of the reduced form on its own (~45 s)
+def test_the_report_is_written_after_each_section_and_sections_can_be_picked(tmp_path):
+    """--sections=numerics runs that section alone; the file is written when it ends (a run killed later would
+    keep it), with the order and the section's time."""
+    out = tmp_path / "n.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", "infjax.bench", "accelerator", "--reduced", "--sections=numerics",
+                        f"--out={out}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    report = json.loads(out.read_text())
+    assert report["order"] == ["numerics"] and set(report["sections"]) == {"numerics"}
+    assert set(report["section_s"]) == {"numerics"} and report["sections"]["numerics"]["passed"]
+    assert not (tmp_path / "n.json.partial").exists()
+
+
+@pytest.mark.parametrize("flag, why", [("--sections=numerics,bogus", "choose from numerics, scale, attention"),
+                                       ("--budget_s=-1", "seconds >= 0")])
+def test_bad_section_or_budget_flags_are_refused_in_one_line(tmp_path, flag, why):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", "infjax.bench", "accelerator", flag, f"--out={tmp_path / 'x.json'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and why in lines[0], p.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_unit_starts_only_if_its_expected_time_is_left():
+    from infjax.benchmarks import accelerator
+
+    assert accelerator.Budget(0).refuse(1e9) is None                 # no budget
+    budget = accelerator.Budget(100)
+    assert budget.refuse(50) is None
+    why = budget.refuse(150)
+    assert why.startswith("skipped: ") and "--budget_s=100" in why and "150 s" in why
+
+
 def test_an_unwritable_out_is_refused_before_any_work(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
     for out, why in ((tmp_path, "is a folder"), (tmp_path / "file.txt" / "x.json", "cannot write in")):
@@ -123,3 +165,40 @@ def test_an_unwritable_out_is_refused_before_any_work(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and "--out=" in lines[0] and why in lines[0], p.stderr
         assert "infjax accelerator check" not in p.stdout
+
+
+def test_warm_up_runs_every_compiled_shape_before_the_timed_steps():
+    """A batch shape first met inside the timed loop loads its program there (the H200's 0.82 s step): warm-up
+    runs the first steps, then one batch of every other shape."""
+    import numpy as np
+
+    from infjax.benchmarks import train as bench_train
+
+    ran = []
+
+    def step_of(name):
+        def step(state, batch):
+            ran.append(name)
+            return state + 1, {}
+        return step
+
+    small, large = {"p": np.zeros((2, 8))}, {"p": np.zeros((2, 16))}
+    compiled = {bench_train._shape(small): step_of("small"), bench_train._shape(large): step_of("large")}
+    state = bench_train.warm_up(compiled, 0, [small, small, small, large, small], warmup=2)
+    assert ran == ["small", "small", "large"] and state == 3
+
+
+@pytest.mark.slow          # the scale figures of a tiny shape at the paper's batch, with a trace (~1 min)
+def test_the_scale_figures_of_a_tiny_shape_come_with_a_kernel_profile(tmp_path):
+    """scale_one, the full form's per-shape figures, on CPU with a tiny BERT: the timed steps, and --profile's
+    summary of a jax.profiler trace of 3 more steps (what a GPU run reports, read from this CPU's trace)."""
+    from infjax.benchmarks import accelerator, shapes
+
+    hf_config = accelerator._tiny(shapes.BERT_BASE, 32, 2, 2, None, 64)
+    result, texts = accelerator.scale_one(hf_config, False, str(tmp_path), profile=True)
+    assert len(result["step_times"]) == accelerator.SCALE_STEPS and result["shapes_compiled"] >= 1
+    assert len(texts) == accelerator.SCALE_WARMUP + accelerator.SCALE_STEPS
+    trace = result["profile"]
+    assert "error" not in trace, trace
+    assert trace["device"] == "cpu" and trace["steps"] == accelerator.PROFILE_STEPS and trace["top"]
+    assert 0 < trace["kernel_ms_per_step"] and trace["kernels_per_step"] > 10

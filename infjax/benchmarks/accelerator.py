@@ -1,8 +1,28 @@
 """Is infjax right and fast on this machine? `python -m infjax.bench accelerator [--out=FILE.json]`.
 
-One command for a machine with one GPU (or a TPU VM), under 10 minutes; writes one JSON file (default
-accelerator.json in the working directory) and prints a short table. Sections:
+One command for a machine with one GPU (or a TPU VM), in 8 minutes (`--budget_s`); prints a short table and
+writes one JSON file (default accelerator.json in the working directory), again after each section, so that a
+run cut short keeps what it measured. The sections run in this order (`--sections=` picks some):
 
+- ``numerics``: a few training steps of a tiny random BERT and a tiny random Qwen2 in bfloat16 and float32 from
+  the same parameters on the same batch (the project's train step, one batch every step, so that the loss
+  must fall): both loss curves and their largest relative difference, against a tolerance; and one gradient
+  of every parameter, bf16 against float32, leaf by leaf (benchmarks/gradients.py: a loss curve cannot show a
+  gradient summed in bf16), with the worst leaves.
+- ``scale`` (accelerators, full form): the paper's shapes with random weights (no hub): BERT-base (e5-base-v2's
+  sizes) and Qwen2.5-1.5B (remat, scanned layers) at query/passage max lengths 256/512, bfloat16, 32 records
+  per batch with hard negatives: step time (every compiled batch shape run once before the timing), real
+  tokens/s, MFU from the analytic model FLOPs of the step's real texts (benchmarks/flops.py; XLA's count,
+  which sees a scanned layer once and kernels as free, is kept beside it as `compiled_flops_per_step`), peak
+  device memory measured and as compiled, and the attention used. With `--profile`, a `jax.profiler` trace of
+  3 more steps of each shape, summarised as the kernels that took the most time and the sum of every kernel's
+  time against the step's wall time (benchmarks/profile.py).
+  ``vs_torch`` (where torch has a CUDA device): the same rows through a plain PyTorch loop on the same
+  device: HF transformers with sdpa attention, unpacked (each batch padded to its longest text), eager (no
+  torch.compile), bf16 autocast, AdamW, in-batch softmax; rows/s of both and their ratio. The ratio therefore
+  includes packing's gain, not only the kernels'. The torch loop runs in a child process; so that both fit on
+  one device, JAX is given half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
+  unless already set).
 - ``attention``: for each family's attention shape (BERT; ModernBERT's local-window and global layers; Llama's
   and Qwen2's causal grouped-query attention) on packed rows (several texts of random lengths per row and a
   padding tail, traced with the bound on texts per row that a packed batch carries) and, for the decoders,
@@ -13,24 +33,12 @@ accelerator.json in the working directory) and prints a short table. Sections:
   precision (tolerances per platform: float32 dots are TF32 on GPUs and bf16 passes on TPUs by default), the
   largest q/k/v gradient at padding tokens (must be exactly 0 and finite), and the
   forward+backward time (median after warm-up).
-- ``numerics``: a few training steps of a tiny random BERT and a tiny random Qwen2 in bfloat16 and float32 from
-  the same parameters on the same batch (the project's train step, one batch every step, so that the loss
-  must fall); both loss curves and their largest relative difference, against a tolerance.
-- ``scale`` (accelerators, full form): the paper's shapes with random weights (no hub): BERT-base (e5-base-v2's
-  sizes) and Qwen2.5-1.5B (remat, scanned layers) at query/passage max lengths 256/512, bfloat16, 32 records
-  per batch with hard negatives: step time, real tokens/s, MFU from the analytic model FLOPs of the step's real
-  texts (benchmarks/flops.py; XLA's count, which sees a scanned layer once and kernels as free, is kept beside
-  it as `compiled_flops_per_step`), peak device memory measured and as compiled, and the attention used.
-- ``vs_torch`` (full form, where torch has a CUDA device): the same rows through a plain PyTorch loop on the same
-  device: HF transformers with sdpa attention, unpacked (each batch padded to its longest text), eager (no
-  torch.compile), bf16 autocast, AdamW, in-batch softmax; rows/s of both and their ratio. The ratio therefore
-  includes packing's gain, not only the kernels'. The torch loop runs in a child process; so that both fit on
-  one device, JAX is given half of the device memory in the full form (XLA_PYTHON_CLIENT_MEM_FRACTION=0.5
-  unless already set).
 
-On CPU the reduced form runs (also with --reduced): tiny shapes, the GPU ("pallas") and TPU ("splash") kernels
-in Pallas interpret mode, a few numerics steps; ``scale`` and ``vs_torch`` are recorded as skipped. Each
-section records ``{"error": ...}`` instead of stopping the command, so the JSON always comes out.
+The full form keeps to `--budget_s` (480): a scale shape, a PyTorch loop or an attention case starts only if
+the time it is expected to take (EXPECTED_S) is left, else it is recorded as skipped. On CPU the reduced form
+runs (also with --reduced): tiny shapes, the GPU ("pallas") and TPU ("splash") kernels in Pallas interpret
+mode, a few numerics steps; ``scale`` and ``vs_torch`` are recorded as skipped. Each section records
+``{"error": ...}`` instead of stopping the command, so the JSON always comes out.
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ import numpy as np
 from absl import flags
 
 from infjax import cli, config as config_lib, errors
-from infjax.benchmarks import flops as flops_lib, shapes, train as bench_train
+from infjax.benchmarks import flops as flops_lib, gradients, profile as profile_lib, shapes, train as bench_train
 from infjax.data import packing
 from infjax.data.batches import real_tokens
 from infjax.models import attention, kernels
@@ -94,6 +102,13 @@ def tolerance(dtype: str, platform_name: str) -> float:
 # other (relative to the loss, about log(batch) ~ 2-4) -- a broken kernel or cast gives NaN or losses that differ
 # by tens of percent. Pass: every step's |bf16 - f32| <= max(NUMERICS_REL * |f32|, NUMERICS_ABS).
 NUMERICS_REL, NUMERICS_ABS = 0.05, 0.05
+# The numerics section also compares every parameter's gradient, bf16 against float32 (benchmarks/gradients.py):
+# a loss curve cannot show an embedding table whose gradient is summed in bf16. The report keeps the worst leaves.
+# Its models are drawn as at init (norm scales 1, biases 0), where the gradients that sum over every token of the
+# batch (BERT's token-type row, the biases) nearly cancel: each term's bf16 rounding then shows against a small
+# total. On a CPU (2026-11-27) those leaves were up to 17% off in the full form's BERT (its word and position
+# tables 1.1% and 2.3%), 4.7% in the reduced one; with the sums taken in bf16 they were 360% to 1,270% off.
+NUMERICS_WORST, NUMERICS_GRAD_TOLERANCE = 5, 0.3
 
 def _tiny(base: dict, hidden: int, layers: int, heads: int, kv: int | None, intermediate: int) -> dict:
     out = dict(base, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -108,6 +123,31 @@ def _tiny(base: dict, hidden: int, layers: int, heads: int, kv: int | None, inte
 def _error(e: BaseException) -> dict:
     line = (str(e).strip().splitlines() or [""])[0][:500]
     return {"error": f"{type(e).__name__}: {line}"}
+
+
+class Budget:
+    """The command's wall-clock budget: a unit of work (an attention case, a scale shape, the PyTorch loop) starts
+    only if the time it is expected to take is left; else it is recorded as skipped, naming the budget. 0: none."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def refuse(self, expected_s: float) -> str | None:
+        """Why a unit expected to take `expected_s` seconds must not start, or None."""
+        if not self.seconds:
+            return None
+        left = self.seconds - (time.perf_counter() - self.start)
+        if left >= expected_s:
+            return None
+        return (f"skipped: {max(left, 0):.0f} s left of --budget_s={self.seconds:g}, this takes about "
+                f"{expected_s:.0f} s")
+
+
+# Expected seconds of each unit on one H100 or H200, from the H200 run of 2026-11-27 (docs/benchmarks.md): a scale
+# shape (compile, 10 steps, a profile) and the PyTorch loop of one shape (its child process, model and steps);
+# an attention case (its float32 reference and every implementation, both dtypes, compiled and timed).
+EXPECTED_S = {"scale": 150.0, "torch": 80.0, "attention": 25.0}
+BUDGET_S = 480.0          # the full form's default: 8 minutes
 
 
 # ----------------------------------------------------------------------------------------------- attention
@@ -169,11 +209,15 @@ def attention_cases(reduced: bool, rng: np.random.Generator):
             yield family, "left-padded", heads, kv, dim, causal, window, left_padded_segments(rng, rows, length), 1
 
 
-def attention_section(reduced: bool, repeats: int) -> list[dict]:
+def attention_section(reduced: bool, repeats: int, budget: Budget | None = None) -> list[dict]:
     rng = np.random.default_rng(0)
     out = []
     where = kernels.platform()
     for family, layout, heads, kv, dim, causal, window, seg_np, bound in attention_cases(reduced, rng):
+        refused = budget.refuse(EXPECTED_S["attention"]) if budget else None
+        if refused:
+            out.append({"family": family, "layout": layout, "skipped": refused, "ok": None})
+            continue
         rows, length = seg_np.shape
         seg = jnp.asarray(seg_np)
         real = seg_np > 0
@@ -182,7 +226,9 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
         # tokens an exact 0 gradient (cuDNN leaves the gradients of tokens outside every sequence unwritten)
         ct = jnp.asarray(rng.standard_normal((rows, length, heads, dim)) * real[:, :, None, None], jnp.float32)
 
-        def fwd_bwd(impl, q, k, v):
+        # segment ids and cotangent are arguments of the jitted functions, not constants they close over: XLA
+        # would fold tens of MB of constants into every program (seconds each at the full form's shapes)
+        def fwd_bwd(impl, q, k, v, seg, ct):
             def loss(q, k, v):
                 with attention.options(max_segments=bound):          # the bound a batch of this layout carries
                     o = attention.attention(q, k, v, seg, causal=causal, window=window, impl=impl)
@@ -194,8 +240,8 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
             q, k, v = (x.astype(dtype) for x in (q32, k32, v32))
             # the reference: explicit in float32 at the highest precision on the very (rounded) inputs
             with jax.default_matmul_precision("highest"):
-                ref_o, ref_g = jax.jit(functools.partial(fwd_bwd, "explicit"))(*(x.astype(jnp.float32)
-                                                                                  for x in (q, k, v)))
+                ref_o, ref_g = jax.jit(functools.partial(fwd_bwd, "explicit"))(
+                    *(x.astype(jnp.float32) for x in (q, k, v)), seg, ct)
             refs = {"out": ref_o, "dq": ref_g[0], "dk": ref_g[1], "dv": ref_g[2]}
             # measured once per implementation that runs: a request that falls back reuses its figures
             measured = {}
@@ -210,7 +256,7 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
                     if choice.impl not in measured:
                         f = jax.jit(functools.partial(fwd_bwd, choice.impl))
                         t0 = time.perf_counter()
-                        o, g = jax.block_until_ready(f(q, k, v))
+                        o, g = jax.block_until_ready(f(q, k, v, seg, ct))
                         first = time.perf_counter() - t0
                         got = {"out": o, "dq": g[0], "dk": g[1], "dv": g[2]}
                         diffs, rel = {}, {}
@@ -221,7 +267,7 @@ def attention_section(reduced: bool, repeats: int) -> list[dict]:
                             rel[name] = float(d.max()) / max(scale, 1e-30)
                         padding = [np.asarray(x, np.float32)[~real] for x in g]
                         pad_grad = max((float(np.abs(x).max()) if x.size else 0.0) for x in padding)
-                        median = _timed(f, (q, k, v), repeats)
+                        median = _timed(f, (q, k, v, seg, ct), repeats)
                         tol = tolerance(row["dtype"], where)
                         measured[choice.impl] = dict(
                             max_abs_diff=diffs, max_rel_diff=rel, tolerance=tol, padding_grad_max=pad_grad,
@@ -342,6 +388,9 @@ def numerics_section(reduced: bool, root: str) -> dict:
                     losses.append(float(metrics["loss"]))
                 curves[dtype] = losses
                 skipped[dtype] = int(state.skipped)
+            # `params`: the float32 parameters both runs started from
+            grads = numerics_gradients(run_config(folder, "float32", *lens, batch, steps, name == "qwen2"), records,
+                                       params)
             f32, bf16 = np.asarray(curves["float32"]), np.asarray(curves["bfloat16"])
             diff = np.abs(bf16 - f32)
             finite = bool(np.isfinite(f32).all() and np.isfinite(bf16).all())
@@ -350,14 +399,24 @@ def numerics_section(reduced: bool, root: str) -> dict:
                          "loss_float32": curves["float32"], "loss_bfloat16": curves["bfloat16"],
                          "skipped_steps": skipped, "finite": finite,
                          "max_abs_diff": float(diff.max()), "max_rel_diff": float((diff / np.abs(f32)).max()),
-                         "passed": finite and bool((diff <= np.maximum(NUMERICS_REL * np.abs(f32),
-                                                                      NUMERICS_ABS)).all())
-                         and not any(skipped.values())}
+                         "losses_passed": finite and bool((diff <= np.maximum(NUMERICS_REL * np.abs(f32),
+                                                                             NUMERICS_ABS)).all())
+                         and not any(skipped.values()),
+                         "gradients": grads}
+            out[name]["passed"] = out[name]["losses_passed"] and grads["passed"]
         except Exception as e:    # noqa: BLE001
             traceback.print_exc()
             out[name] = dict(_error(e), passed=False)
     out["passed"] = all(out[m].get("passed", False) for m in models)
     return out
+
+
+def numerics_gradients(config, records: list[dict], params) -> dict:
+    """Every parameter's bf16 gradient against float32 on the run's first batch (benchmarks/gradients.py): the
+    worst leaves, and whether each is within NUMERICS_GRAD_TOLERANCE."""
+    result = gradients.compare(config, records, params, tolerance=NUMERICS_GRAD_TOLERANCE)
+    return {"passed": bool(result["passed"]), "tolerance": result["tolerance"], "leaves": len(result["leaves"]),
+            "loss": result["loss"], "worst": [e.as_dict() for e in result["leaves"][:NUMERICS_WORST]]}
 
 
 # ----------------------------------------------------------------------------------------------- scale
@@ -366,6 +425,7 @@ SCALE_MODELS = {"bert-base": (shapes.BERT_BASE, False), "qwen2.5-1.5b": (shapes.
 SCALE_LENS = (256, 512)
 SCALE_BATCH = 32          # the paper's records per batch; 3 rows each with hard negatives
 SCALE_WARMUP, SCALE_STEPS = 2, 8
+PROFILE_STEPS = 3         # --profile: steady steps traced per shape
 
 
 def _peak_memory() -> int | None:
@@ -373,8 +433,9 @@ def _peak_memory() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
-    """(figures, the rows of each step as [queries, passages]) of one shape."""
+def scale_one(hf_config: dict, decoder: bool, root: str, profile: bool = False) -> tuple[dict, list]:
+    """(figures, the rows of each step as [queries, passages]) of one shape; with `profile`, a trace of
+    PROFILE_STEPS more steps summarised by kernel (benchmarks/profile.py)."""
     folder = shapes.checkpoint_folder(hf_config, root)
     n = SCALE_WARMUP + SCALE_STEPS
     config = run_config(folder, "bfloat16", *SCALE_LENS, SCALE_BATCH, n, decoder)
@@ -388,10 +449,8 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
             if bench_train._shape(b) not in compiled:
                 compiled[bench_train._shape(b)] = run.setup.compile(b)
         compile_s = time.perf_counter() - t0
-    state = run.state
-    for b in batches[:SCALE_WARMUP]:
-        state, metrics = compiled[bench_train._shape(b)](state, b)
-    jax.block_until_ready(state)
+    # every compiled shape runs once before the timing (a shape's first run loads it and allocates)
+    state = bench_train.warm_up(compiled, run.state, batches, SCALE_WARMUP)
     times = []
     for b in batches[SCALE_WARMUP:]:
         t0 = time.perf_counter()
@@ -399,6 +458,15 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     seconds = float(np.median(times))
+    trace = None
+    if profile:                          # a profiler that cannot run (no CUPTI) costs the profile, not the figures
+        try:
+            with tempfile.TemporaryDirectory(prefix="infjax_trace_", dir=root) as folder:
+                state, trace = profile_lib.profile_steps(compiled, state, batches[SCALE_WARMUP:][:PROFILE_STEPS],
+                                                         folder, shape=bench_train._shape)
+        except Exception as e:   # noqa: BLE001
+            traceback.print_exc()
+            trace = _error(e)
     timed = batches[SCALE_WARMUP:]
     model = run.setup.encoder
     flops = float(np.mean([flops_lib.step_flops(query_params(run.setup.params), model.module.config,
@@ -420,7 +488,9 @@ def scale_one(hf_config: dict, decoder: bool, root: str) -> tuple[dict, list]:
               "compiled_peak_bytes": max(bench_train.peak_bytes(c) for c in compiled.values()),
               "peak_bytes_in_use": _peak_memory(), "loss_last": float(metrics["loss"]),
               "attention_choice": attention.choose(probe, probe_k, causal=decoder).impl,
-              "attention_log": choices}
+              "attention_log": choices, "shapes_compiled": len(compiled)}
+    if trace is not None:
+        result["profile"] = trace
     build = run.setup.build
     texts = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(n)]
     del run, state, compiled, batches
@@ -520,35 +590,48 @@ def torch_child(path: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- main
 
-def _table(report: dict) -> str:
-    lines = []
-    att = report["sections"]["attention"]
+def _attention_lines(att) -> list[str]:
     if isinstance(att, dict):
-        lines.append(f"attention: {att.get('error', att.get('skipped'))}")
-    else:
-        lines.append(f"{'family':<18} {'layout':<11} {'dtype':<9} {'asked':<9} {'chosen':<9} {'out':>8} {'dq':>8} "
-                     f"{'dk':>8} {'dv':>8} {'pad':>7} {'ms':>9}  ok")
-        for r in att:
-            head = f"{r['family']:<18} {r.get('layout', '-'):<11} {r['dtype']:<9} {r['asked']:<9} "
-            if "error" in r:
-                lines.append(head + f"{r.get('chosen', '-'):<9} {r['error']}")
-                continue
-            d = r["max_rel_diff"]
-            lines.append(head + f"{r['chosen']:<9} " + " ".join(f"{d[k]:8.1e}" for k in ("out", "dq", "dk", "dv"))
-                         + f" {r['padding_grad_max']:7.1e} {r['fwd_bwd_ms']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
-        lines.append("(max |impl - explicit f32 at highest precision| / max |explicit| on real tokens; pad: largest "
-                     "q/k/v gradient at padding, must be 0; ms: forward+backward, median)")
-    num = report["sections"]["numerics"]
+        return [f"attention: {att.get('error', att.get('skipped'))}"]
+    lines = [f"{'family':<18} {'layout':<11} {'dtype':<9} {'asked':<9} {'chosen':<9} {'out':>8} {'dq':>8} "
+             f"{'dk':>8} {'dv':>8} {'pad':>7} {'ms':>9}  ok"]
+    for r in att:
+        if "skipped" in r:
+            lines.append(f"{r['family']:<18} {r.get('layout', '-'):<11} {r['skipped']}")
+            continue
+        head = f"{r['family']:<18} {r.get('layout', '-'):<11} {r['dtype']:<9} {r['asked']:<9} "
+        if "error" in r:
+            lines.append(head + f"{r.get('chosen', '-'):<9} {r['error']}")
+            continue
+        d = r["max_rel_diff"]
+        lines.append(head + f"{r['chosen']:<9} " + " ".join(f"{d[k]:8.1e}" for k in ("out", "dq", "dk", "dv"))
+                     + f" {r['padding_grad_max']:7.1e} {r['fwd_bwd_ms']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
+    lines.append("(max |impl - explicit f32 at highest precision| / max |explicit| on real tokens; pad: largest "
+                 "q/k/v gradient at padding, must be 0; ms: forward+backward, median)")
+    return lines
+
+
+def _numerics_lines(num: dict) -> list[str]:
+    lines = []
     for name in ("bert", "qwen2"):
         e = num.get(name, {})
-        if "error" in e or "skipped" in num:
-            lines.append(f"numerics {name}: {e.get('error', num.get('skipped'))}")
+        if "error" in e or "error" in num:
+            lines.append(f"numerics {name}: {e.get('error', num.get('error'))}")
         elif e:
+            g = e["gradients"]
+            worst = g["worst"][0] if g["worst"] else {"relative": 0.0, "path": "-"}
             lines.append(f"numerics {name}: {num['steps']} steps, loss f32 {e['loss_float32'][0]:.4f} -> "
                          f"{e['loss_float32'][-1]:.4f}, bf16 {e['loss_bfloat16'][0]:.4f} -> {e['loss_bfloat16'][-1]:.4f}, "
-                         f"max rel diff {e['max_rel_diff']:.2e}: {'passed' if e['passed'] else 'FAILED'}")
+                         f"max rel diff {e['max_rel_diff']:.2e}; gradients of {g['leaves']} leaves, the worst "
+                         f"{worst['relative']:.2e} ({worst['path']}, tolerance {g['tolerance']}): "
+                         f"{'passed' if e['passed'] else 'FAILED'}")
+    return lines
+
+
+def _scale_lines(sections: dict) -> list[str]:
+    lines = []
     for section in ("scale", "vs_torch"):
-        s = report["sections"][section]
+        s = sections.get(section, {})
         if "skipped" in s or "error" in s:
             lines.append(f"{section}: {s.get('skipped', s.get('error'))}")
             continue
@@ -563,22 +646,53 @@ def _table(report: dict) -> str:
                 lines.append(f"scale {name}: step {r['step_s'] * 1e3:.0f} ms, {r['rows_per_s']:.0f} rows/s, "
                              f"{r['real_tokens_per_s']:.0f} real tokens/s, MFU {mfu}, peak {peak / 2**30:.1f} GiB, "
                              f"attention {r['attention_choice']}")
+                if "profile" in r and "error" in r["profile"]:
+                    lines.append(f"scale {name}: profile: {r['profile']['error']}")
+                elif "profile" in r:
+                    lines.append(f"scale {name}: the {profile_lib.TOP} kernels that take the most time per step")
+                    lines.append(profile_lib.table(r["profile"]))
             else:
                 lines.append(f"vs_torch {name}: infjax {r['infjax_rows_per_s']:.0f} rows/s, torch "
                              f"{r['torch_rows_per_s']:.0f} rows/s, ratio {r['ratio']:.2f}x (torch: {TORCH_LOOP})")
+    return lines
+
+
+def _table(report: dict) -> str:
+    sections, lines = report["sections"], []
+    for name in report["order"]:
+        if name == "numerics":
+            lines += _numerics_lines(sections["numerics"])
+        elif name == "scale":
+            lines += _scale_lines(sections)
+        else:
+            lines += _attention_lines(sections["attention"])
     times = ", ".join(f"{k} {v:.1f} s" for k, v in report.get("section_s", {}).items())
     lines.append(f"total {report['wall_s']:.1f} s ({times}); report: {report['out']}")
     return "\n".join(lines)
 
 
+SECTIONS = ("numerics", "scale", "attention")      # in the order they run: the most telling first
+
+
 def define_flags(fv: flags.FlagValues) -> None:
-    flags.DEFINE_string("out", "accelerator.json", "the JSON report", flag_values=fv)
+    flags.DEFINE_string("out", "accelerator.json", "the JSON report (written again after each section)",
+                        flag_values=fv)
     flags.DEFINE_bool("reduced", False, "tiny shapes only (the form that runs on a CPU)", flag_values=fv)
+    flags.DEFINE_list("sections", list(SECTIONS), f"the sections to run, comma-separated, from {', '.join(SECTIONS)} "
+                      "(they run in that order; scale includes the PyTorch loop)", flag_values=fv)
+    flags.DEFINE_float("budget_s", BUDGET_S, "full form: a case of scale or attention starts only if the time it "
+                       "takes is left of this many seconds (else it is recorded as skipped); 0 = no limit",
+                       flag_values=fv)
+    flags.DEFINE_bool("profile", False, f"scale: trace {PROFILE_STEPS} steady steps of each shape with jax.profiler "
+                      f"and report the {profile_lib.TOP} kernels that take the most time", flag_values=fv)
 
 
-def _args(argv: list[str]) -> tuple[str, bool]:
+def _args(argv: list[str]):
     fv = cli.parse("python -m infjax.bench accelerator", define_flags, argv, doc=__doc__.split("\n\n")[0])
-    return fv.out, fv.reduced
+    unknown = [x for x in fv.sections if x not in SECTIONS]
+    if unknown or not fv.sections:
+        raise errors.UserError(f"--sections={','.join(fv.sections)}: choose from {', '.join(SECTIONS)}")
+    return fv
 
 
 def writable_file(path: str, flag: str) -> str:
@@ -596,13 +710,26 @@ def writable_file(path: str, flag: str) -> str:
     return full
 
 
+def write_report(report: dict, path: str) -> None:
+    """The report as it stands, replacing the file whole (a kill between sections leaves the previous one)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(partial, path)
+
+
 def main(argv: list[str]) -> None:
-    out_path, reduced = _args(argv)
-    out_path = writable_file(out_path, "--out")
+    fv = _args(argv)
+    out_path, reduced = writable_file(fv.out, "--out"), fv.reduced
+    wanted = [name for name in SECTIONS if name in fv.sections]
+    if fv.budget_s < 0:
+        raise errors.UserError(f"--budget_s={fv.budget_s:g}: seconds >= 0 (0 = no limit)")
+    budget = Budget(fv.budget_s)
     t_start = time.perf_counter()
     accelerator_expected = not runtime_cpu.runs_on_cpu(os.environ)
     torch_reason = None
-    if accelerator_expected and not reduced:
+    if accelerator_expected and not reduced and "scale" in wanted:
         torch_reason = torch_status()
         if torch_reason is None:            # before JAX starts: leave the torch child half of the device
             os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
@@ -611,52 +738,59 @@ def main(argv: list[str]) -> None:
     report = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
               "device": platform.describe(), "platform": kernels.platform(),
-              "form": "reduced" if reduced else "full",
+              "form": "reduced" if reduced else "full", "order": wanted,
               "jax_memory_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
-              "tokenizer": shapes.tokenizer_source(), "sections": {}}
+              "tokenizer": shapes.tokenizer_source(), "sections": {}, "section_s": {}, "out": out_path}
     sections = report["sections"]
-    print(f"infjax accelerator check: {report['device']}, {report['form']} form")
+    print(f"infjax accelerator check: {report['device']}, {report['form']} form, sections {', '.join(wanted)}")
     root = tempfile.mkdtemp(prefix="infjax_accelerator_")
     try:
-        t0 = time.perf_counter()
-        try:
-            sections["attention"] = attention_section(reduced, repeats=1 if reduced else 5)
-        except Exception as e:   # noqa: BLE001
-            traceback.print_exc()
-            sections["attention"] = _error(e)
-        report["section_s"] = {"attention": time.perf_counter() - t0}
-        t0 = time.perf_counter()
-        try:
-            sections["numerics"] = numerics_section(reduced, root)
-        except Exception as e:   # noqa: BLE001
-            traceback.print_exc()
-            sections["numerics"] = dict(_error(e), passed=False)
-        report["section_s"]["numerics"] = time.perf_counter() - t0
-        if not on_accelerator or reduced:
-            why = "no accelerator" if not on_accelerator else "reduced form"
-            sections["scale"] = {"skipped": why}
-            sections["vs_torch"] = {"skipped": why}
-        else:
+        for name in wanted:
             t0 = time.perf_counter()
-            scale_and_torch(sections, root, torch_reason)
-            report["section_s"]["scale_and_vs_torch"] = time.perf_counter() - t0
+            if name == "numerics":
+                try:
+                    sections["numerics"] = numerics_section(reduced, root)
+                except Exception as e:   # noqa: BLE001
+                    traceback.print_exc()
+                    sections["numerics"] = dict(_error(e), passed=False)
+            elif name == "scale":
+                if not on_accelerator or reduced:
+                    why = "no accelerator" if not on_accelerator else "reduced form"
+                    sections["scale"], sections["vs_torch"] = {"skipped": why}, {"skipped": why}
+                else:
+                    scale_and_torch(sections, root, torch_reason, fv.profile, budget)
+            else:
+                try:
+                    sections["attention"] = attention_section(reduced, repeats=1 if reduced else 5,
+                                                              budget=None if reduced else budget)
+                except Exception as e:   # noqa: BLE001
+                    traceback.print_exc()
+                    sections["attention"] = _error(e)
+            report["section_s"][name] = time.perf_counter() - t0
+            report["wall_s"] = time.perf_counter() - t_start
+            write_report(report, out_path)        # after each section: what was measured is kept
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report["wall_s"] = time.perf_counter() - t_start
-    report["out"] = out_path
     print(_table(report))                  # first: the figures are seen whatever happens to the file
-    os.makedirs(os.path.dirname(out_path), exist_ok=True)
-    with open(out_path, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(report, out_path)
 
 
-def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None:
+def scale_and_torch(sections: dict, root: str, torch_reason: str | None, profile: bool = False,
+                    budget: Budget | None = None) -> None:
     scale, vs = {}, ({"skipped": torch_reason} if torch_reason else {})
     sections["scale"], sections["vs_torch"] = scale, vs
+    budget = budget or Budget(0)
     for name, (hf_config, decoder) in SCALE_MODELS.items():
         texts = None
+        refused = budget.refuse(EXPECTED_S["scale"])
+        if refused:
+            scale[name] = {"skipped": refused}
+            if not torch_reason:
+                vs[name] = {"skipped": refused}
+            continue
         try:
-            scale[name], texts = scale_one(hf_config, decoder, root)
+            scale[name], texts = scale_one(hf_config, decoder, root, profile)
         except Exception as e:   # noqa: BLE001 - e.g. out of memory: record the line and go on
             traceback.print_exc()
             scale[name] = _error(e)
@@ -665,6 +799,10 @@ def scale_and_torch(sections: dict, root: str, torch_reason: str | None) -> None
             continue
         if texts is None:
             vs[name] = {"skipped": "the infjax run of this shape failed"}
+            continue
+        refused = budget.refuse(EXPECTED_S["torch"])
+        if refused:
+            vs[name] = {"skipped": refused}
             continue
         try:
             t = torch_in_child(texts, hf_config, shapes.checkpoint_folder(hf_config, root), decoder)

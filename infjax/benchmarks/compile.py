@@ -42,7 +42,7 @@ import ml_collections
 from absl import flags
 
 from infjax import cli, config as config_lib, errors
-from infjax.benchmarks import flops as flops_lib, shapes as bench_shapes, train as bench_train
+from infjax.benchmarks import flops as flops_lib, hlo, shapes as bench_shapes, train as bench_train
 from infjax.models import attention, kernels
 from infjax.models.encoder import query_params
 from infjax.runtime import targets
@@ -87,6 +87,8 @@ class Report:
     compile_s: float
     refused: str | None = None       # the compiler's reason, e.g. TPU HBM exceeded
     label: str = ""                  # the model's name in the report (default: config.model.checkpoint)
+    kernels: dict = dataclasses.field(default_factory=dict)      # hlo.kernel_counts of the compiled step
+    bf16_sums: list = dataclasses.field(default_factory=list)    # hlo.low_precision_sums of the compiled step
 
     @property
     def fits(self) -> bool:
@@ -103,6 +105,7 @@ class Report:
                 "jax": jax.__version__, "rows_per_step": self.rows, "memory_per_device": self.memory,
                 "device_memory": self.target.memory, "fits": self.fits, "refused": self.refused,
                 "attention": [describe(c) for c in distinct(self.calls)], "custom_calls": self.custom_calls,
+                "kernels": self.kernels, "bf16_sums": self.bf16_sums,
                 "flops_per_step": self.flops.total, "flops_per_step_per_device": self.flops.total / self.target.count,
                 "dense_flops": self.flops.dense, "attention_flops": self.flops.attention,
                 "real_tokens": self.flops.tokens, "texts": self.flops.texts, "compile_s": self.compile_s}
@@ -161,8 +164,11 @@ def compile_step(config, target: targets.Target, records: list[dict] | None = No
     lora = setup.encoder.lora is not None
     flops = flops_lib.step_flops(query_params(setup.params), setup.encoder.module.config,
                                  flops_lib.text_lengths(host_batch), frozen_base=lora)
-    return Report(target, config, compiled, list(calls), custom_call_counts(compiled.as_text()) if compiled else {},
-                  memory, flops, setup.build.global_rows, text, time.perf_counter() - t0, refused)
+    program = compiled.as_text() if compiled else ""
+    return Report(target, config, compiled, list(calls), custom_call_counts(program), memory, flops,
+                  setup.build.global_rows, text, time.perf_counter() - t0, refused,
+                  kernels=hlo.kernel_counts(program) if compiled else {},
+                  bf16_sums=hlo.low_precision_sums(program))
 
 
 def distinct(calls) -> list:
@@ -210,7 +216,12 @@ def print_report(r: Report) -> None:
     for call in distinct(r.calls):
         print(f"  {describe(call)}")
     if r.custom_calls:
-        print("kernels in the compiled step: " + ", ".join(f"{k} x{v}" for k, v in r.custom_calls.items()))
+        print("attention kernels in the compiled step: " + ", ".join(f"{k} x{v}" for k, v in r.custom_calls.items()))
+    if r.kernels:
+        sums = (f"{len(r.bf16_sums)} sums in bf16 (e.g. {r.bf16_sums[0]})" if r.bf16_sums else
+                "every sum in float32")
+        print(f"kernels: {r.kernels['kernels']} in the compiled step, {r.kernels['launches']} launched per step "
+              f"(loop bodies once per trip); {sums}")
     m = r.memory
     if r.refused:
         print(f"memory per device: the compiler refused the step: {r.refused}")

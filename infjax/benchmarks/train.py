@@ -159,6 +159,18 @@ def _shape(batch) -> tuple:
     return tuple((k, v.shape) for k, v in _leaves(batch))
 
 
+def warm_up(compiled: dict, state, batches: list, warmup: int):
+    """Run the first `warmup` batches, then one batch of each compiled shape that has not run yet (its first run
+    loads the program and allocates its buffers: inside a timed loop it would be a slow step). Returns the
+    state."""
+    ran = set()
+    for i, b in enumerate(batches):
+        if i < warmup or _shape(b) not in ran:
+            state, _ = compiled[_shape(b)](state, b)
+            ran.add(_shape(b))
+    return jax.block_until_ready(state)
+
+
 def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, records=None) -> dict:
     """Times `steps` steps after `warmup`; with several packed shapes (data.pack_shapes), each shape's step is
     compiled ahead of time first, and the FLOPs, buffer tokens and peak memory are those of each step's shape."""
@@ -172,9 +184,7 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
         if _shape(b) not in compiled:
             compiled[_shape(b)] = setup.compile(b)
     compile_s = time.perf_counter() - t0
-    for b in batches[:warmup]:
-        state, metrics = compiled[_shape(b)](state, b)
-    jax.block_until_ready(state)
+    state = warm_up(compiled, state, batches, warmup)
     times = []
     for b in batches[warmup:]:
         step = compiled[_shape(b)]

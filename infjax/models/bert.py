@@ -35,7 +35,7 @@ from typing import Any, Iterator, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
-from infjax.models import layers as L
+from infjax.models import layers as L, precision
 from infjax.models.attention import attention, segment_positions
 from infjax.models.hf.names import NameMap
 
@@ -127,7 +127,9 @@ def _coerce_types(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class BertEmbeddings(nn.Module):
-    """Word + absolute position + token type embeddings, then LayerNorm."""
+    """Word + absolute position + token type embeddings, then LayerNorm. Lookups sum their gradients in float32
+    (models/precision.py); without token type ids (every token of type 0, as infjax's inputs are) row 0 of the
+    token-type table is broadcast: its gradient is a reduction, not a scatter-add of every token onto one row."""
 
     config: BertConfig
     dtype: Any = jnp.float32
@@ -139,15 +141,16 @@ class BertEmbeddings(nn.Module):
         init = nn.initializers.normal(stddev=0.02)
 
         def embed(name, num):
-            return nn.Embed(
+            return precision.Embed(
                 num, cfg.hidden_size, embedding_init=init,
                 dtype=self.dtype, param_dtype=self.param_dtype, name=name,
             )
 
+        token_types = embed("token_type_embeddings", cfg.type_vocab_size)
         x = (
             embed("word_embeddings", cfg.vocab_size)(input_ids)
             + embed("position_embeddings", cfg.max_position_embeddings)(positions)
-            + embed("token_type_embeddings", cfg.type_vocab_size)(token_type_ids)
+            + (token_types.row(0, input_ids.shape) if token_type_ids is None else token_types(token_type_ids))
         )
         x = L.layer_norm(cfg.layer_norm_eps, "LayerNorm", use_bias=True, two_pass_variance=False,
                          dtype=self.dtype, param_dtype=self.param_dtype)(x)
@@ -236,8 +239,6 @@ class BertModel(nn.Module):
         cfg = self.config
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         x = BertEmbeddings(cfg, name="embeddings", **kw)(input_ids, token_type_ids, segment_positions(attention_mask),
                                                          deterministic)

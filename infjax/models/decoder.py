@@ -32,7 +32,7 @@ from typing import Any, Iterator, Mapping
 import flax.linen as nn
 import jax.numpy as jnp
 
-from infjax.models import layers as L
+from infjax.models import layers as L, precision
 from infjax.models.attention import attention, segment_positions
 from infjax.models.hf.names import NameMap
 
@@ -200,7 +200,7 @@ class DecoderModel(nn.Module):
             attention_mask = jnp.ones_like(input_ids)
         if position_ids is None:
             position_ids = segment_positions(attention_mask)
-        x = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
+        x = precision.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
                      dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")(input_ids)
         cos, sin = L.rope_cos_sin(position_ids, L.rope_inv_freq(cfg.head_dim, cfg.rope))
         layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype)

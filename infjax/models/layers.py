@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infjax.models import precision
 from infjax.models.lora import LoraDense, LoraSpec
 
 
@@ -61,17 +62,19 @@ def activation(name: str, source: str = "config.json", key: str = "hidden_act") 
 
 def dense(features: int, name: str, *, use_bias: bool, dtype: Any, param_dtype: Any,
           std: float = 0.02, lora: LoraSpec | None = None, role: str | None = None) -> nn.Dense:
-    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]. With a `lora` spec
-    that names its `role` (q, k, v, o, gate, up, down, or a fused qkv / gate_up), it carries an adapter."""
+    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]; its kernel and bias
+    gradients are float32 sums (`precision.Dense`). With a `lora` spec that names its `role` (q, k, v, o, gate,
+    up, down, or a fused qkv / gate_up), it carries an adapter."""
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
               kernel_init=nn.initializers.normal(stddev=std), name=name)
     if lora is not None and lora.applies(role):
         return LoraDense(features, lora=lora, **kw)
-    return nn.Dense(features, **kw)
+    return precision.Dense(features, **kw)
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm as in HF ``LlamaRMSNorm``: float32 statistics, then ``scale * x``."""
+    """Root-mean-square norm as in HF ``LlamaRMSNorm``: float32 statistics, then ``scale * x`` in the compute
+    dtype (the scale spread in float32: its gradient is a float32 sum, models/precision.py)."""
 
     epsilon: float = 1e-6
     dtype: Any = jnp.float32
@@ -82,7 +85,7 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
-        return scale.astype(self.dtype) * y.astype(self.dtype)
+        return precision.spread(scale, y.shape, self.dtype) * y.astype(self.dtype)
 
 
 def layer_norm(epsilon: float, name: str, *, dtype: Any, param_dtype: Any, use_bias: bool = False,

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infjax.models import precision
+
 # What `model.lora.targets` may name, and the fused roles built from several of them.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
@@ -91,8 +93,9 @@ def resolve_roles(targets: str, roles: tuple[str, ...], family: str) -> frozense
     return frozenset(chosen)
 
 
-class LoraDense(nn.Dense):
-    """flax's nn.Dense (the same `kernel` and `bias`, the same arithmetic) plus a low-rank update."""
+class LoraDense(precision.Dense):
+    """`precision.Dense` (flax's nn.Dense: the same `kernel` and `bias`, the same arithmetic) plus a low-rank
+    update."""
 
     lora: LoraSpec | None = None
 
@@ -105,11 +108,12 @@ class LoraDense(nn.Dense):
         b = self.param("lora_b", nn.initializers.zeros, (spec.rank, self.features), jnp.float32)
         if spec.dropout > 0 and self.has_rng("dropout"):       # training (a dropout key is given)
             x = nn.Dropout(spec.dropout, deterministic=False)(x)
-        x, a, b = nn.dtypes.promote_dtype(x, a, b, dtype=self.dtype)
+        dtype = y.dtype
         # The scale alpha / rank is applied in float32 (in bfloat16, 32/3 would be 10.6875, +0.2%), as the merged
-        # export applies it: only the product's rounding to the compute dtype differs.
-        low = jnp.dot(x, a, preferred_element_type=jnp.float32) * jnp.float32(spec.scale)
-        return y + low.astype(x.dtype) @ b
+        # export applies it: only the product's rounding to the compute dtype differs. Both products give their
+        # adapter a float32 gradient (precision.matmul).
+        low = precision.matmul(x, a, dtype, out_dtype=jnp.float32) * jnp.float32(spec.scale)
+        return y + precision.matmul(low.astype(dtype), b, dtype)
 
 
 # --------------------------------------------------------------------------

@@ -33,7 +33,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
-from infjax.models import layers as L
+from infjax.models import layers as L, precision
 from infjax.models.attention import attention, segment_positions
 from infjax.models.hf.names import NameMap
 
@@ -138,7 +138,7 @@ class ModernBertEmbeddings(nn.Module):
     @nn.compact
     def __call__(self, input_ids, deterministic: bool):
         cfg = self.config
-        x = nn.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
+        x = precision.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
                      dtype=self.dtype, param_dtype=self.param_dtype, name="tok_embeddings")(input_ids)
         x = L.layer_norm(cfg.norm_eps, "norm", dtype=self.dtype, param_dtype=self.param_dtype)(x)
         return nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)

@@ -3,7 +3,8 @@
 A compile runs XLA's whole GPU pipeline for sm_90a (Triton and ptxas for the Pallas kernel): what these tests
 check is what an H100 would be given. The train steps of a tiny BERT, Qwen2 (grouped-query heads, remat,
 scanned layers) and ModernBERT (a two-sided local window) compile in bfloat16 (BERT and Qwen2 in float32
-too), with the attention every layer traced and the kernels that go with it in the compiled program; a
+too), with the attention every layer traced and the kernels that go with it in the compiled program, and
+every sum of the program in float32 (no bf16 scatter or reduction: benchmarks/hlo.py); a
 left-padded decoder batch reaches cuDNN with its offsets; and (slow) at the paper's batch on BERT-base's width cuDNN's
 step needs no more memory than the Pallas kernel's (+5%). What no compile can check (cuDNN's own graph
 validation, speed) needs a GPU: `python -m infjax.bench accelerator`.
@@ -65,6 +66,10 @@ def test_the_train_step_compiles_for_an_h100_with_the_kernels_it_chose(steps, fa
     r = steps(family, dtype)
     assert r.compiled is not None and r.memory["temporaries"] > 0 and r.fits
     assert r.calls, "no attention call was traced"
+    # every sum of the program H100 runs in float32: no bf16 scatter-add (a compare-and-swap loop per element
+    # on Hopper) or bf16 reduction of a gradient (models/precision.py), read from the optimized HLO
+    assert r.bf16_sums == [], r.bf16_sums
+    assert r.kernels["launches"] >= r.kernels["kernels"] > 0
     kinds = set(r.custom_calls)
     if dtype == "float32":                 # cuDNN's attention takes bf16/fp16 only: the Pallas kernel (TF32)
         assert impls(r) == {"pallas"} and TRITON in kinds and not kinds & set(CUDNN)

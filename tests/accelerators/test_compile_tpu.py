@@ -4,7 +4,7 @@ libtpu's compiler runs in full, Mosaic included: a Pallas TPU kernel that a chip
 dtypes) is refused here as it would be on the chip, so these compiles check the `interpret=False` side of the
 splash kernel that the CPU tests (interpret mode) cannot. The train steps of a tiny BERT, Qwen2 (grouped-query
 heads given to splash as they are, remat, scanned layers) and ModernBERT (local and global layers) compile
-for 4 chips with splash under shard_map. The paper's shapes per chip: `python -m infjax.bench compile
+for 4 chips with splash under shard_map, every sum of the program in float32. The paper's shapes per chip: `python -m infjax.bench compile
 --target=v5e-4 --shape=bert-base --paper` (docs/benchmarks.md).
 """
 import pytest
@@ -35,6 +35,7 @@ def test_the_train_step_compiles_for_a_v5e_slice_with_splash(v5e, family, tmp_pa
     r = bench_compile.compile_step(config, target, devices=devices)
     assert r.compiled is not None and r.fits and r.memory["temporaries"] > 0
     assert {c.choice.impl for c in r.calls} == {"splash"}
+    assert r.bf16_sums == [], r.bf16_sums              # every sum in float32 (models/precision.py)
     assert all(c.shape[1] % 128 == 0 for c in r.calls)                 # rows packed to splash's lanes
     kinds = splash_kernels(r)
     assert all(any(k.startswith(s) for k in kinds) for s in SPLASH), kinds

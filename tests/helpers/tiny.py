@@ -29,12 +29,12 @@ def hf_config() -> dict:
 
 
 def write_random_checkpoint(family_name: str, config: dict, folder: str, seed: int = 0,
-                            tokenizer: bool = True, extra: dict | None = None) -> str:
+                            tokenizer: bool = True, extra: dict | None = None, std: float = 0.2) -> str:
     """A Hugging Face folder of `family_name` (infjax/models/registry.py) with `config` as its config.json and
-    random weights from numpy (norm gains near 1, small biases, kernels and embeddings large enough that every
-    tensor matters), written through infjax's name map; with `tokenizer`, MiniLM's tokenizer files. The same
-    `seed` gives the same bytes; `extra`: {name: shape} of more random tensors that infjax does not read (a
-    BERT pooler). Returns `folder` (created)."""
+    random weights from numpy (norm gains near 1, small biases, kernels and embeddings of standard deviation
+    `std`: by default large enough that every tensor matters), written through infjax's name map; with
+    `tokenizer`, MiniLM's tokenizer files. The same `seed` gives the same bytes; `extra`: {name: shape} of more
+    random tensors that infjax does not read (a BERT pooler). Returns `folder` (created)."""
     import jax
 
     from infjax.models import registry
@@ -53,7 +53,7 @@ def write_random_checkpoint(family_name: str, config: dict, folder: str, seed: i
         elif name.endswith("['bias']"):
             value = 0.02 * rng.standard_normal(leaf.shape)
         else:
-            value = 0.2 * rng.standard_normal(leaf.shape)
+            value = std * rng.standard_normal(leaf.shape)
         leaves.append(value.astype(np.float32))
     params = jax.tree_util.tree_unflatten(tree, leaves)
     os.makedirs(folder, exist_ok=True)
@@ -68,6 +68,25 @@ def write_random_checkpoint(family_name: str, config: dict, folder: str, seed: i
         for name in TOKENIZER_FILES:
             shutil.copy(os.path.join(minilm, name), os.path.join(folder, name))
     return folder
+
+
+# Tiny configs of every family (MiniLM's tokenizer: vocabularies of 30522), for the tests that go through each.
+FAMILY_CONFIGS = {
+    "bert": hf_config(),
+    "modernbert": {"architectures": ["ModernBertModel"], "model_type": "modernbert", "vocab_size": 30522,
+                   "hidden_size": HIDDEN, "intermediate_size": INTERMEDIATE, "num_hidden_layers": 3,
+                   "num_attention_heads": HEADS, "global_attn_every_n_layers": 3, "local_attention": 16,
+                   "max_position_embeddings": 512, "pad_token_id": 0, "bos_token_id": 101, "eos_token_id": 102,
+                   "cls_token_id": 101, "sep_token_id": 102},
+    "llama": {"architectures": ["LlamaModel"], "model_type": "llama", "vocab_size": 30522, "hidden_size": HIDDEN,
+              "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+              "num_key_value_heads": 1, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "max_position_embeddings": 512, "tie_word_embeddings": False},
+    "qwen2": {"architectures": ["Qwen2Model"], "model_type": "qwen2", "vocab_size": 30522, "hidden_size": HIDDEN,
+              "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+              "num_key_value_heads": 1, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+              "max_position_embeddings": 512, "tie_word_embeddings": True},
+}
 
 
 def write_tiny_bert(folder: str, seed: int = 0) -> str:

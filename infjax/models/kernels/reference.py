@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from infjax.models import precision
 from infjax.models.kernels.masks import segment_mask
 
 BLOCK = 128                  # query rows per block of the explicit path's blockwise form
@@ -46,7 +47,7 @@ def explicit_attention(q, k, v, segment_ids, *, causal: bool = False, window=Non
     for rows of ``BLOCKWISE_FROM`` tokens or more, else the whole row."""
     groups = q.shape[2] // k.shape[2]
     if groups > 1:
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        k, v = precision.repeat(k, groups, axis=2), precision.repeat(v, groups, axis=2)   # float32 sums back
     qh, kh, vh = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))      # [B, N, T, D]
     t = q.shape[1]
     if block is None:
