@@ -14,13 +14,13 @@ from infjax.data.tokenize import validate_template
 from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
-from infjax.models import attention
+from infjax.models import attention, remat as remat_lib
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.lora import PROJECTIONS as LORA_PROJECTIONS
 from infjax.models.registry import FAMILIES
 from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
 
-_DECODER = {"model.pooling": "last", "model.remat": True, "model.scan_layers": True}
+_DECODER = {"model.pooling": "last", "model.remat": "auto", "model.scan_layers": True}
 
 # preset -> overrides. "embedded" is the default: offline, CPU, minutes.
 PRESETS = {
@@ -41,8 +41,8 @@ PRESETS = {
     "bge-base-en-v1.5": {"model.checkpoint": "BAAI/bge-base-en-v1.5", "model.pooling": "cls"},
     "bge-large-en-v1.5": {"model.checkpoint": "BAAI/bge-large-en-v1.5", "model.pooling": "cls"},
     "modernbert-base": {"model.checkpoint": "answerdotai/ModernBERT-base", "model.pooling": "mean"},
-    # Decoders pad on the left and pool the last token; remat keeps activation memory per layer, and scanned
-    # layers let fsdp gather one layer's kernels at a time (README, Scale).
+    # Decoders pad on the left and pool the last token; remat "auto" keeps what fits the device and recomputes
+    # the rest, and scanned layers let fsdp gather one layer's kernels at a time (README, Scale).
     "llama-3.2-1b": {"model.checkpoint": "meta-llama/Llama-3.2-1B", **_DECODER},
     "llama-3.2-1b-instruct": {"model.checkpoint": "meta-llama/Llama-3.2-1B-Instruct", **_DECODER},
     "qwen2.5-1.5b": {"model.checkpoint": "Qwen/Qwen2.5-1.5B", **_DECODER},
@@ -92,7 +92,13 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.model.dropout = False            # apply the checkpoint's dropout during training
     c.model.interaction = "concat"     # concat: iq = g(template(I, Q)) (Interaction I) | cross_attention:
                                        # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
-    c.model.remat = False              # gradient checkpointing: recompute each layer in the backward pass
+    c.model.remat = "none"             # what each layer keeps for the backward pass (models/remat.py): none
+                                       # (keep all) | dots (keep projections, recompute elementwise work) |
+                                       # dots_except_mlp | offload (dots kept in host memory; GPU/TPU) | full
+                                       # (recompute each layer) | auto (the least recompute whose compiled step
+                                       # fits the device, docs/scale.md); True/False = full/none
+    c.model.remat_memory_gb = 0.0      # auto plans for this much memory per device (GB); 0 = what the device's
+                                       # allocator may hold (its bytes_limit; on CPU, RAM / local devices)
     c.model.scan_layers = False        # run layers with nn.scan (one compiled layer); use it with fsdp for big
                                        # models: unrolled, XLA gathers every layer's kernels at once. Encoders
                                        # stay unrolled: scanned, BERT-base's H100 step launches 2.1x the kernels
@@ -240,7 +246,7 @@ RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "tr
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
                      "data.pack_shapes",
-                     "checkpoint.", "eval.", "mesh.", "model.remat", "model.dtype")
+                     "checkpoint.", "eval.", "mesh.", "model.remat", "model.remat_memory_gb", "model.dtype")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -314,8 +320,12 @@ def _validate_objective_and_model(c) -> None:
     _check(c.model.pooling in ("auto",) + POOLINGS, "model.pooling", c.model.pooling,
            "must be auto (the family's own), mean, cls or last")
     _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "must be float32 or bfloat16")
-    for key in ("remat", "scan_layers"):
-        _check(isinstance(c.model[key], bool), f"model.{key}", c.model[key], "must be True or False")
+    _check(isinstance(c.model.scan_layers, bool), "model.scan_layers", c.model.scan_layers, "must be True or False")
+    why = remat_lib.validate(c.model.remat)
+    _check(why is None, "model.remat", c.model.remat, why or "")
+    _check(isinstance(c.model.remat_memory_gb, (int, float)) and not isinstance(c.model.remat_memory_gb, bool)
+           and c.model.remat_memory_gb >= 0, "model.remat_memory_gb", c.model.remat_memory_gb,
+           "must be a number of GB >= 0 (0 = the device's own)")
     _check(isinstance(c.model.checkpoint, str) and c.model.checkpoint != "", "model.checkpoint", c.model.checkpoint,
            "must name a local folder, a hub id, or " + EMBEDDED)
     _validate_lora(c.model.lora)

@@ -33,13 +33,14 @@ from infjax.data.tokenize import Tokenizer
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
+from infjax.models import remat as remat_lib
 from infjax.models.encoder import load_encoder, passage_params, query_params
 from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
 from infjax.training import console, state as state_lib, workdir as workdir_lib, writers as writers_lib
 from infjax.runtime.restore import saved_steps
-from infjax.training.setup import compiled_train_step, data_fingerprint, load_training_records, make_batch_setup, \
-    make_objective, total_steps
+from infjax.training.setup import abstract_global_batch, compiled_train_step, data_fingerprint, \
+    load_training_records, make_batch_setup, make_objective, total_steps, widest_step
 
 log = logging.getLogger("infjax.train")
 
@@ -321,7 +322,9 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
         state_lib.savable(state_lib.abstract_state(params, optimizer, config.train.seed))))
     state, state_sharding = state_lib.create_sharded_state(params, optimizer, config.train.seed, encoder.module, mesh)
     del params
-    train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding)
+    example = (state, abstract_global_batch(setup.build(widest_step(setup.build)), mesh)) \
+        if remat_lib.normalize(config.model.remat) == "auto" else None
+    train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding, example)
 
     config_json = json.loads(config.to_json_best_effort())
     if encoder.lora is not None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from infjax.benchmarks import compile as bench_compile
@@ -146,3 +147,28 @@ def test_out_is_checked_before_any_work(tmp_path, capsys):
         bench_compile.main(["--config=configs/multi_pi.py", "--target=h100", f"--out={tmp_path}"])
     with pytest.raises(UserError, match="is not a writable folder"):
         bench_compile.main(["--config=configs/multi_pi.py", "--target=h100", f"--out={tmp_path}/no/such.json"])
+
+
+@pytest.mark.slow          # four compiles of the train step (~30 s)
+def test_auto_compiles_every_policy_and_reports_the_one_it_takes(tmp_path, capsys):
+    """compile_step with model.remat=auto (the decoder presets'): each policy compiled, with its peak and the
+    FLOPs its program computes; recompute only adds FLOPs (none <= dots <= dots_except_mlp <= full), a
+    policy's MFU at 40% of the peak is 0.4 x model / computed, and auto takes the least recompute that fits (all
+    fit at this size: none). Compiled for this CPU (one device), priced as an H200; offload needs a GPU or TPU."""
+    from infjax import config as config_lib
+    from tests.helpers.targets import tiny_overrides
+
+    config = config_lib.override(config_lib.base_config("multi_pi"), {
+        **tiny_overrides("qwen2", tmp_path), "model.remat": "auto", "model.dtype": "bfloat16", "train.steps": 1,
+        "eval.synthetic": False, "eval.canary": ""})
+    report = bench_compile.compile_step(config, targets.parse("h200"), devices=jax.devices()[:1])
+    rows = {row["policy"]: row for row in report.remat_table}
+    assert list(rows) == ["none", "dots", "dots_except_mlp", "full"] and all(r["fits"] for r in rows.values())
+    computed = [rows[p]["computed_flops"] for p in rows]
+    assert computed == sorted(computed) and computed[-1] > computed[0]
+    for row in rows.values():
+        assert row["mfu_at_40"] == pytest.approx(0.4 * row["model_flops"] / row["computed_flops"])
+    assert report.remat == "none" and report.remat_line.startswith("remat: none (peak ")
+    bench_compile.print_report(report)
+    out = capsys.readouterr().out
+    assert all(f"  {p} " in out for p in rows) and "auto on this target" in out and ", remat none," in out

@@ -139,3 +139,26 @@ def test_a_scan_of_twice_the_length_launches_its_body_twice_as_often():
     assert five["kernels"] == ten["kernels"] > 0
     per_trip = (ten["launches"] - five["launches"]) / 5
     assert per_trip >= 1 and five["launches"] == five["kernels"] + 4 * per_trip
+
+
+def test_matmul_flops_count_every_dot_of_a_loop_body_once_per_trip():
+    """A scan of 5 [64, 32] x [32, 32] products then one more, compiled: 6 products of 2 * 64 * 32 * 32 FLOPs
+    (XLA's own cost analysis counts the loop body once), and its gradient: the products of the backward pass too
+    (w's gradient in each trip, c's in each trip but the first, whose input x is not differentiated)."""
+    def f(x, w):
+        y, _ = jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+        return (y @ w[0].T).sum()
+
+    x, w = jnp.ones((64, 32)), jnp.ones((5, 32, 32))
+    product = 2 * 64 * 32 * 32
+    assert hlo.matmul_flops(compiled(f, x, w)) == 6 * product
+    backward = 5 + 4 + 2     # dw every trip, dc in 4 of 5 (the loop may compute x's too, unused); dy and dw0
+    grad = jax.jit(jax.grad(f, argnums=1)).lower(x, w).compile().as_text()
+    assert hlo.matmul_flops(grad) in ((6 + backward) * product, (6 + backward + 1) * product)
+
+
+def test_matmul_flops_of_a_convolution_are_its_outputs_times_its_window():
+    x, k = jnp.ones((2, 16, 16, 3)), jnp.ones((3, 3, 3, 8))
+    conv = lambda x, k: jax.lax.conv_general_dilated(x, k, (1, 1), "SAME",                    # noqa: E731
+                                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    assert hlo.matmul_flops(compiled(conv, x, k)) == 2 * (2 * 16 * 16 * 8) * (3 * 3 * 3)

@@ -46,6 +46,8 @@ from infjax.benchmarks import flops as flops_lib, hlo, shapes as bench_shapes, t
 from infjax.models import attention, kernels
 from infjax.models.encoder import query_params
 from infjax.runtime import targets
+from infjax.models import remat as remat_lib
+from infjax.training import remat_choice, setup as setup_lib
 
 PAPER = {"data.query_max_len": 256, "data.passage_max_len": 512, "model.dtype": "bfloat16", "train.steps": 1,
          "data.hard_negatives": True, "eval.synthetic": False, "eval.canary": ""}
@@ -89,6 +91,9 @@ class Report:
     label: str = ""                  # the model's name in the report (default: config.model.checkpoint)
     kernels: dict = dataclasses.field(default_factory=dict)      # hlo.kernel_counts of the compiled step
     bf16_sums: list = dataclasses.field(default_factory=list)    # hlo.low_precision_sums of the compiled step
+    remat: str = ""                  # the remat policy of the step reported (auto: the one it takes)
+    remat_line: str = ""             # auto's line, as a run logs it
+    remat_table: list = dataclasses.field(default_factory=list)  # auto: policy_row of every policy
 
     @property
     def fits(self) -> bool:
@@ -105,7 +110,9 @@ class Report:
                 "jax": jax.__version__, "rows_per_step": self.rows, "memory_per_device": self.memory,
                 "device_memory": self.target.memory, "fits": self.fits, "refused": self.refused,
                 "attention": [describe(c) for c in distinct(self.calls)], "custom_calls": self.custom_calls,
-                "kernels": self.kernels, "bf16_sums": self.bf16_sums,
+                "kernels": self.kernels, "bf16_sums": self.bf16_sums, "remat": self.remat,
+                "remat_auto": self.remat_line, "remat_policies": self.remat_table,
+                "allocator_bytes": allocator_bytes(self.target),
                 "flops_per_step": self.flops.total, "flops_per_step_per_device": self.flops.total / self.target.count,
                 "dense_flops": self.flops.dense, "attention_flops": self.flops.attention,
                 "real_tokens": self.flops.tokens, "texts": self.flops.texts, "compile_s": self.compile_s}
@@ -126,49 +133,132 @@ def custom_call_counts(hlo: str) -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
-def widest_step(build) -> int:
-    """A step packed in the run's widest shape (the first: it holds every step); step 0 when not packed."""
-    shapes = getattr(build, "shapes", None)
-    if shapes is None:
-        return 0
-    return int(next((i for i, s in enumerate(shapes.of_step) if s == 0), 0))
+# What JAX's GPU allocator may hold of a GPU's memory by default (XLA_PYTHON_CLIENT_MEM_FRACTION; a TPU's is
+# all of it): what `model.remat=auto` compares a compiled peak with on the device.
+GPU_MEMORY_FRACTION = 0.75
 
 
-def compile_step(config, target: targets.Target, records: list[dict] | None = None, devices=None) -> Report:
-    """Compile `config`'s train step for `target` (its compile-only devices unless `devices` are given)."""
-    devices = devices if devices is not None else targets.devices(target)
-    config_lib.validate(config, target.count, target.hosts)      # as a run of `target.hosts` processes would be
+def allocator_bytes(target: targets.Target) -> int:
+    """What a run's allocator holds of one device of `target` (`memory_stats()["bytes_limit"]` there)."""
+    if target.family != "cuda":
+        return target.memory
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "")
+    try:
+        share = float(fraction) if fraction else GPU_MEMORY_FRACTION
+    except ValueError:
+        share = GPU_MEMORY_FRACTION
+    return int(target.memory * share)
+
+
+# A program computes at least its model FLOPs (less at most what packing leaves out of the analytic count);
+# a count of its matmuls below this share of them means they were not all read (docs/benchmarks.md: XLA:TPU's
+# loops carry no known trip count, and it writes some matmuls as convolutions this reader does not price), and
+# no FLOPs are reported for it.
+UNREAD = 0.9
+
+# Bytes per second between a device and its host's pinned memory, each way (PCIe Gen5 x16, an H100's or H200's
+# link; about what a TPU host's is too): what offload's transfers cost at best.
+HOST_LINK = 50e9
+
+
+@dataclasses.dataclass
+class Compiled:
+    """One remat policy's compile of the step."""
+    policy: str
+    compiled: object | None
+    refused: str | None
+    lowered_text: str
+    memory: dict[str, int]
+    compile_s: float
+
+
+def _compile(setup, policy: str, batch) -> Compiled:
     t0 = time.perf_counter()
-    with kernels.targeting(devices), attention.recorded() as calls:
-        setup = bench_train.Setup(config, records, weights=False, devices=devices)
-        step = widest_step(setup.build)
-        host_batch = setup.build(step)
-        batch = setup.abstract_batch(step)
-        with kernels.lowering():
-            lowered = setup.step.trace(*setup.abstract_inputs(batch)).lower()
-        text = lowered.as_text()
-        refused, compiled = None, None
-        try:
-            compiled = lowered.compile()
-        except Exception as err:      # noqa: BLE001 - a target's compiler refusing (TPU HBM) is the answer
-            line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            if "exceeds" not in line and "memory" not in line.lower():
-                raise
-            refused = line[:400]
+    step = setup.step if policy == setup.remat else setup.step_for(policy)
+    with kernels.lowering():
+        lowered = step.trace(*setup.abstract_inputs(batch)).lower()
+    text = lowered.as_text()
+    refused, compiled = None, None
+    try:
+        compiled = lowered.compile()
+    except Exception as err:      # noqa: BLE001 - a target's compiler refusing (TPU HBM) is the answer
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if "exceed" not in line.lower() and "memory" not in line.lower():
+            raise
+        refused = line[:400]
     memory = {"arguments": 0, "temporaries": 0, "outputs": 0, "aliased": 0, "peak": 0}
     if compiled is not None:
         m = compiled.memory_analysis()
         memory = {"arguments": int(m.argument_size_in_bytes), "temporaries": int(m.temp_size_in_bytes),
                   "outputs": int(m.output_size_in_bytes), "aliased": int(m.alias_size_in_bytes),
-                  "peak": bench_train.peak_bytes(compiled)}
+                  "peak": setup_lib.peak_bytes(compiled)}
+    return Compiled(policy, compiled, refused, text, memory, time.perf_counter() - t0)
+
+
+def table_policies() -> tuple[str, ...]:
+    """The policies `auto` chooses from, then offload where the target can offload (inside `kernels.targeting`)."""
+    extra = ("offload",) if remat_lib.offload_supported() else ()
+    return remat_lib.RECOMPUTE_ORDER + extra
+
+
+def compile_step(config, target: targets.Target, records: list[dict] | None = None, devices=None) -> Report:
+    """Compile `config`'s train step for `target` (its compile-only devices unless `devices` are given). With
+    `model.remat=auto`, every policy is compiled (`remat_table` of the report) and the report is of the one
+    that `auto` takes on the target."""
+    devices = devices if devices is not None else targets.devices(target)
+    config_lib.validate(config, target.count, target.hosts)      # as a run of `target.hosts` processes would be
+    t0 = time.perf_counter()
+    auto = remat_lib.normalize(config.model.remat) == "auto"
+    with kernels.targeting(devices), attention.recorded() as calls:
+        setup = bench_train.Setup(config, records, weights=False, devices=devices, choose_remat=False)
+        step = setup_lib.widest_step(setup.build)
+        host_batch = setup.build(step)
+        batch = setup.abstract_batch(step)
+        asked = remat_lib.normalize(config.model.remat)       # offload falls back to full where it cannot
+        asked = asked if asked != "offload" or "offload" in table_policies() else "full"
+        results = {p: _compile(setup, p, batch) for p in (table_policies() if auto else (asked,))}
     lora = setup.encoder.lora is not None
     flops = flops_lib.step_flops(query_params(setup.params), setup.encoder.module.config,
                                  flops_lib.text_lengths(host_batch), frozen_base=lora)
-    program = compiled.as_text() if compiled else ""
-    return Report(target, config, compiled, list(calls), custom_call_counts(program), memory, flops,
-                  setup.build.global_rows, text, time.perf_counter() - t0, refused,
-                  kernels=hlo.kernel_counts(program) if compiled else {},
-                  bf16_sums=hlo.low_precision_sums(program))
+    line, table = "", []
+    chosen = results[asked] if not auto else None
+    if auto:
+        def tried(policy):
+            r = results[policy]
+            return remat_choice.Tried(policy, r.memory["peak"] if r.refused is None else None, r.refused)
+        choice = remat_choice.choose(tried, allocator_bytes(target), agree=lambda i: i)
+        chosen, line = results[choice.policy], choice.line
+        table = [policy_row(r, flops, target) for r in results.values()]
+    program = chosen.compiled.as_text() if chosen.compiled else ""
+    report = Report(target, config, chosen.compiled, list(calls), custom_call_counts(program), chosen.memory, flops,
+                    setup.build.global_rows, chosen.lowered_text, time.perf_counter() - t0, chosen.refused,
+                    kernels=hlo.kernel_counts(program) if chosen.compiled else {},
+                    bf16_sums=hlo.low_precision_sums(program))
+    report.remat, report.remat_line, report.remat_table = chosen.policy, line, table
+    return report
+
+
+def policy_row(r: Compiled, flops: flops_lib.StepFlops, target: targets.Target) -> dict:
+    """One policy's line of the table: its peak, the FLOPs its program computes per device (the matmuls read
+    from the compiled program, recompute included; attention kernels, custom calls, at their analytic FLOPs)
+    and the step time that gives at 40% and 60% of the device's bf16 peak."""
+    row = {"policy": r.policy, "peak_bytes": r.memory["peak"] if r.refused is None else None, "refused": r.refused,
+           "fits": r.refused is None and r.memory["peak"] <= (1 - remat_choice.MARGIN) * allocator_bytes(target),
+           "compile_s": r.compile_s}
+    if r.compiled is not None:
+        program = r.compiled.as_text()
+        matmul = hlo.matmul_flops(program)
+        kernel_attention = flops.attention / target.count if custom_call_counts(program) else 0.0
+        computed = matmul + kernel_attention
+        model = flops.total / target.count
+        if computed < UNREAD * model:       # e.g. XLA:TPU's matmuls as convolutions of its own, loops without a
+            row.update({"matmul_flops": matmul, "computed_flops": None, "model_flops": model})   # known trip count
+            return row
+        row.update({"matmul_flops": matmul, "computed_flops": computed, "model_flops": model,
+                    "beyond_model": computed / model - 1 if model else None,
+                    **{f"step_s_at_{u}": computed / (u / 100 * target.peak_flops) for u in (40, 60)},
+                    **{f"mfu_at_{u}": u / 100 * model / computed for u in (40, 60)}})
+    return row
 
 
 def distinct(calls) -> list:
@@ -207,7 +297,7 @@ def print_report(r: Report) -> None:
     lora = f", LoRA rank {c.model.lora.rank}" if c.model.lora.rank else ""
     records_per_device = c.train.batch_size / r.target.count
     print(f"target: {r.target.describe()}, compile-only; jax {jax.__version__}; model {r.label or c.model.checkpoint}"
-          f"{lora}, {c.model.dtype}, objective {c.objective}, mesh "
+          f"{lora}, {c.model.dtype}{', remat ' + r.remat if r.remat else ''}, objective {c.objective}, mesh "
           f"{dict(data=c.mesh.data, fsdp=c.mesh.fsdp, tensor=c.mesh.tensor)}; {c.train.batch_size} records per step "
           f"({records_per_device:g} per device), hard negatives {'on' if c.data.hard_negatives else 'off'}: "
           f"{r.rows} rows; "
@@ -230,11 +320,50 @@ def print_report(r: Report) -> None:
               f"{gb(m['temporaries'])}, outputs {gb(m['outputs'])}, aliased {gb(m['aliased'])}) of "
               f"{gb(r.target.memory)}: {'fits' if r.fits else 'does NOT fit'}"
               + (" (cuDNN's workspace not included)" if r.target.family == "cuda" else ""))
+    if r.remat_table:
+        print_policies(r)
     per_device = r.flops.total / r.target.count
     print(f"model FLOPs per step (analytic, {r.flops.texts} texts, {r.flops.tokens} real tokens): "
           f"{r.flops.total / 1e12:.2f} TFLOP ({per_device / 1e12:.2f} per device; dense {r.flops.dense / 1e12:.2f}, "
           f"attention {r.flops.attention / 1e12:.2f}); at 40% of the {r.target.peak_flops / 1e12:.0f} TFLOP/s bf16 "
           f"peak: {per_device / (0.4 * r.target.peak_flops) * 1e3:.0f} ms per step")
+
+
+def policy_lines(r: Report) -> list[str]:
+    """The remat policies' table of an `auto` report, one line per policy, and auto's choice."""
+    peak = r.target.peak_flops
+    lines = [f"remat policies (model.remat=auto), per device: peak memory; TFLOP computed per step (the compiled "
+             f"program's matmuls, attention kernels at their analytic FLOPs) and how much that is beyond the model "
+             f"FLOPs (recompute, padding, and XLA's own rematerialisation of a program over the memory); step time "
+             f"and MFU if the device computes at 40% / 60% of its {peak / 1e12:.0f} TFLOP/s bf16 peak:",
+             f"  {'policy':<16} {'peak':>9} {'fits':>5} {'TFLOP':>8} {'beyond':>7} {'step@40%':>9} {'step@60%':>9} "
+             f"{'MFU@40%':>8} {'MFU@60%':>8}"]
+    for row in r.remat_table:
+        if row["refused"]:
+            lines.append(f"  {row['policy']:<16} refused by the compiler: {row['refused'][:90]}")
+            continue
+        if row.get("computed_flops") is None:
+            lines.append(f"  {row['policy']:<16} {row['peak_bytes'] / 1e9:>6.2f} GB {'yes' if row['fits'] else 'no':>5} "
+                         f"{'n/a: the compiled matmuls could not all be read':>53}")
+            continue
+        lines.append(f"  {row['policy']:<16} {row['peak_bytes'] / 1e9:>6.2f} GB {'yes' if row['fits'] else 'no':>5} "
+                     f"{row['computed_flops'] / 1e12:>8.1f} {row['beyond_model']:>+7.0%} "
+                     f"{row['step_s_at_40'] * 1e3:>6.0f} ms {row['step_s_at_60'] * 1e3:>6.0f} ms "
+                     f"{row['mfu_at_40']:>8.1%} {row['mfu_at_60']:>8.1%}")
+    rows = {row["policy"]: row for row in r.remat_table if not row["refused"]}
+    if "offload" in rows and "dots" in rows:
+        moved = max(rows["dots"]["peak_bytes"] - rows["offload"]["peak_bytes"], 0)
+        lines.append(f"  offload's step times leave out its transfers: about {moved / 1e9:.1f} GB (dots' peak less "
+                     f"offload's) go to the host and back each step: {moved / HOST_LINK * 1e3:.0f} ms each way at "
+                     f"{HOST_LINK / 1e9:.0f} GB/s, which compute can hide only if it takes longer")
+    lines.append(f"  auto on this target ({allocator_bytes(r.target) / 1e9:.1f} GB for JAX's allocator"
+                 f"{' at its default 75%' if r.target.family == 'cuda' and not os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION') else ''}): "
+                 f"{r.remat_line}")
+    return lines
+
+
+def print_policies(r: Report) -> None:
+    print("\n".join(policy_lines(r)))
 
 
 def check_out(out: str) -> None:

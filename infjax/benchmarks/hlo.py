@@ -9,6 +9,9 @@
   and conditions, branches): each fusion, custom call (cuDNN, cuBLAS, Triton, Mosaic) and unfused operation
   is one kernel; bookkeeping operations (parameters, constants, tuples, bitcasts, control flow) are none. Per
   step, a loop body's kernels run once per trip (`launches`, from XLA's known trip count).
+- `matmul_flops`: the FLOPs of every dot and convolution the program runs per call (fused or not, loop bodies
+  once per trip): what a step computes in matmuls, recompute included. Custom calls (cuDNN's or Mosaic's
+  attention, cuBLAS) are not counted: their FLOPs are not in the HLO.
 """
 from __future__ import annotations
 
@@ -133,6 +136,63 @@ class Program:
             static += count
             launches += count * runs
         return static, launches
+
+
+    def matmul_flops(self) -> int:
+        """FLOPs of the dots and convolutions run per call of the program (2 per multiply-add), with each
+        computation counted as often as it runs: loop bodies per trip, fusions as often as their caller."""
+        total = 0
+
+        def visit(name: str, runs: int) -> None:
+            nonlocal total
+            instructions = self.computations.get(name, [])
+            shapes = {ins.name: ins.type for ins in instructions}
+            for ins in instructions:
+                if ins.opcode in ("dot", "convolution"):
+                    total += runs * _matmul_flops(ins, shapes)
+                if ins.opcode in ("fusion", "async-start", "custom-call"):
+                    for called in ins.called("calls"):
+                        visit(called, runs)
+
+        for name, runs in self.scheduled().items():
+            visit(name, runs)
+        return total
+
+
+def _operands(ins: Instruction) -> list[str]:
+    """The operand names of an instruction (printed `%a, %b`, or with their types, `f32[2]{0} %a, ...`)."""
+    return re.findall(r"%([\w.\-$]+)", ins.text.split(")", 1)[0])
+
+
+def _matmul_flops(ins: Instruction, shapes: dict[str, str]) -> int:
+    out = _dims(ins.type) or []
+    operands = _operands(ins)
+    if len(operands) < 2:
+        return 0
+    lhs, rhs = _dims(shapes.get(operands[0], "")), _dims(shapes.get(operands[1], ""))
+    size = 1
+    for d in out:
+        size *= d
+    if ins.opcode == "dot":
+        axes = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.text)
+        if lhs is None or axes is None:
+            return 0
+        for a in (int(x) for x in axes.group(1).split(",") if x):
+            size *= lhs[a]
+        return 2 * size
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.text)        # convolution: the kernel's labels, e.g. 01io
+    if rhs is None or labels is None or "o" not in labels.group(1) or len(labels.group(1)) != len(rhs):
+        return 0
+    window = 1
+    for label, d in zip(labels.group(1), rhs):
+        if label != "o":
+            window *= d
+    return 2 * size * window          # each output sums over the kernel's window and input features (per group)
+
+
+def matmul_flops(text: str) -> int:
+    """Per call of the optimized (or lowered) HLO `text`: FLOPs of its dots and convolutions (`Program.matmul_flops`)."""
+    return Program.parse(text).matmul_flops()
 
 
 def _launches(ins: Instruction) -> bool:

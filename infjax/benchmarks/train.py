@@ -39,6 +39,7 @@ from infjax import cli, config as config_lib, errors
 from infjax.benchmarks import flops as flops_lib, shapes as bench_shapes, torch_loop
 from infjax.benchmarks.shapes import inf_ir_shaped_records
 from infjax.data.batches import real_tokens
+from infjax.models import remat as remat_lib
 from infjax.models.encoder import load_encoder, query_params
 from infjax.runtime import cpu as runtime_cpu, mesh as mesh_lib, platform
 
@@ -99,10 +100,13 @@ def _flags(argv):
 class Setup:
     """The pieces of a run that the step needs: model, data, mesh, sharded state, compiled step."""
 
-    def __init__(self, config, records: list[dict] | None = None, weights: bool = True, devices=None):
+    def __init__(self, config, records: list[dict] | None = None, weights: bool = True, devices=None,
+                 choose_remat: bool = True):
         """`weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile.
         `devices`: those to build the mesh of (default: JAX's), e.g. a compile-only target's (only `compile`
-        and `abstract_batch` then apply; the batches are sized by their count)."""
+        and `abstract_batch` then apply; the batches are sized by their count). With `model.remat=auto`, the
+        policy is chosen as a run chooses it, unless `choose_remat` is False (the step is then `full`'s;
+        `step_for` gives any policy's)."""
         devices = list(devices if devices is not None else jax.devices())
         config_lib.validate(config, len(devices), jax.process_count())
         self.config = config
@@ -117,8 +121,21 @@ class Setup:
         self.abstract = state_lib.abstract_state(params, self.optimizer, config.train.seed)
         self.shardings = state_lib.state_shardings(self.abstract, self.encoder.module, self.mesh)
         self.params = params
-        self.step = setup_lib.compiled_train_step(config, self.encoder, self.objective, self.optimizer,
-                                                  self.schedule, self.mesh, self.shardings)
+        self.remat, self.remat_line = self.encoder.remat, ""
+        if remat_lib.normalize(config.model.remat) == "auto" and not choose_remat:
+            self.step = self.step_for("full")
+        else:
+            auto = remat_lib.normalize(config.model.remat) == "auto"
+            example = self.abstract_inputs(self.abstract_batch(setup_lib.widest_step(self.build))) if auto else None
+            self.step = setup_lib.compiled_train_step(config, self.encoder, self.objective, self.optimizer,
+                                                      self.schedule, self.mesh, self.shardings, example, devices[0])
+            if auto:
+                self.remat, self.remat_line = self.step.policy, self.step.line
+
+    def step_for(self, policy: str):
+        """The jitted train step with the layers under remat policy `policy`."""
+        return setup_lib.jitted_step(self.config, self.encoder.with_remat(policy), self.objective, self.optimizer,
+                                     self.schedule, self.mesh, self.shardings)
 
     def batch(self, i: int):
         return mesh_lib.global_batch(self.build(i), self.mesh)
@@ -134,7 +151,9 @@ class Setup:
         return state, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), batch)
 
     def compile(self, batch):
-        return self.step.lower(*self.abstract_inputs(batch)).compile()
+        """The compiled step for `batch`'s shape (the one `auto` compiled to choose, for the widest)."""
+        kept = getattr(self.step, "compiled_for", lambda _: None)(batch)
+        return kept if kept is not None else self.step.lower(*self.abstract_inputs(batch)).compile()
 
 
 def flops_of(compiled) -> float:
@@ -144,9 +163,7 @@ def flops_of(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
-def peak_bytes(compiled) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+peak_bytes = setup_lib.peak_bytes
 
 
 def _leaves(batch: dict):
@@ -240,13 +257,13 @@ def with_shape(config, shape: str, root: str):
     hf_config, decoder = bench_shapes.SHAPES[shape]
     overrides = {"model.checkpoint": bench_shapes.checkpoint_folder(hf_config, root), "model.family": "auto"}
     if decoder:
-        overrides.update({"model.pooling": "last", "model.remat": True, "model.scan_layers": True})
+        overrides.update({"model.pooling": "last", "model.remat": "auto", "model.scan_layers": True})
     return config_lib.override(ml_collections.ConfigDict(config.to_dict()), overrides)
 
 
 def state_memory(config, records) -> dict:
     """Compile `config`'s step (no weights read or allocated) and report its state and compiled peak memory."""
-    setup = Setup(config, records, weights=False)
+    setup = Setup(config, records, weights=False, choose_remat=False)      # the decoders' remat: full
     abstract = setup.abstract
     size = lambda tree: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))                # noqa: E731
     nbytes = lambda tree: sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import kernels
+from infjax.models import kernels, remat
 from infjax.models.kernels import cpu, gpu, reference, tpu
 from infjax.models.kernels.masks import segment_positions  # noqa: F401 (the models import it from here)
 
@@ -210,6 +210,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, 
     if record is not None and opts.report:        # (not the shape-only inits: they compute nothing)
         record.append(Call(choice, tuple(q.shape), k.shape[2], jnp.dtype(q.dtype).name, causal,
                            window if window is None or isinstance(window, int) else "traced", opts.max_segments))
+    return remat.tag(_attend(choice, opts, q, k, v, segment_ids, causal, window, dropout, block), remat.CONTEXT)
+
+
+def _attend(choice: Choice, opts, q, k, v, segment_ids, causal, window, dropout, block) -> jax.Array:
     if choice.impl == "kernel":
         return cpu.attention(q, k, v, segment_ids, causal=causal, window=window)
     if choice.impl == "cudnn":

@@ -217,7 +217,8 @@ class BertModel(nn.Module):
       config: architecture.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); the output has this dtype.
       param_dtype: dtype of the parameters (float32).
-      remat: recompute each layer's activations in the backward pass
+      remat: what each layer keeps for the backward pass and what it recomputes: a policy of
+        models/remat.py (none, dots, dots_except_mlp, offload, full; True/False = full/none).
         (gradient checkpointing); does not change the parameter tree.
       scan_layers: run the layers with ``nn.scan`` (parameters stacked under
         ``layers`` with a leading layer axis).
@@ -230,7 +231,7 @@ class BertModel(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: Any = "none"
     scan_layers: bool = False
     activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
 

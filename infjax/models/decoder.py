@@ -179,7 +179,8 @@ class DecoderModel(nn.Module):
     Attributes:
       config: architecture.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
-      remat: recompute each block's activations in the backward pass.
+      remat: what each layer keeps for the backward pass and what it recomputes: a policy of
+        models/remat.py (none, dots, dots_except_mlp, offload, full; True/False = full/none).
       scan_layers: run the blocks with ``nn.scan`` (parameters stacked under ``layers``).
 
     ``attention_mask`` [B, L] holds segment ids: a (left) padding mask, or 1, 2, ... per packed
@@ -189,7 +190,7 @@ class DecoderModel(nn.Module):
     config: DecoderConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
-    remat: bool = False
+    remat: Any = "none"
     scan_layers: bool = False
     activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import attention, interaction, lora as lora_lib
+from infjax.models import attention, interaction, lora as lora_lib, remat as remat_lib
 from infjax.models.hf import files as hf_files
 from infjax.models.hf.names import abstract_params
 from infjax.models.pooling import l2_normalize, pool, pool_packed
@@ -47,6 +47,14 @@ class Encoder:
     def with_activation_sharding(self, sharding) -> "Encoder":
         """The same encoder with its backbone's between-layer activations held at `sharding`."""
         return dataclasses.replace(self, module=self.module.clone(activation_sharding=sharding))
+
+    def with_remat(self, policy: str) -> "Encoder":
+        """The same encoder whose layers keep and recompute what remat policy `policy` says (models/remat.py)."""
+        return dataclasses.replace(self, module=self.module.clone(remat=policy))
+
+    @property
+    def remat(self) -> str:
+        return remat_lib.normalize(getattr(self.module, "remat", "none"))
 
     def attention_costs_per_text(self, dropout: bool = False) -> bool:
         """Whether its attention costs each packed text its own length squared, whatever the row it shares
@@ -142,6 +150,13 @@ def base_dtype(model_config) -> jnp.dtype:
     return DTYPES[model_config.dtype if name == "auto" else name]
 
 
+def load_remat(value) -> str:
+    """The policy a module is built with: `auto` is decided when the step compiles (training/remat_choice.py),
+    and starts as `full`."""
+    name = remat_lib.normalize(value)
+    return "full" if name == "auto" else name
+
+
 def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEncoder:
     """The encoder, its params and its local checkpoint folder for the `config.model` section.
 
@@ -153,7 +168,7 @@ def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEnc
     family = detect_family(path, model_config.get("family", "auto"))
     spec = lora_spec(model_config, family)
     module, backbone, hf_config, path = family.load(path, dtype=DTYPES[model_config.dtype],
-                                                    remat=bool(model_config.get("remat", False)),
+                                                    remat=load_remat(model_config.get("remat", "none")),
                                                     scan_layers=bool(model_config.get("scan_layers", False)),
                                                     weights=weights, lora=spec)
     copy = (lambda x: x.copy()) if weights else (lambda x: x)

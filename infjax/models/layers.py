@@ -16,7 +16,7 @@ family's module:
   (separate gate/up projections) and ModernBERT's GeGLU (one fused ``Wi``).
 - :func:`run_layers`: a stack of identical blocks, unrolled (parameters
   ``layer_{i}``) or scanned (parameters stacked under ``layers`` with a
-  leading layer axis), optionally rematerialised; :func:`stack_layers` /
+  leading layer axis), rematerialised under a policy (models/remat.py); :func:`stack_layers` /
   :func:`unstack_layers` convert between the two parameter layouts.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infjax.models import precision
+from infjax.models import precision, remat as remat_lib
 from infjax.models.lora import LoraDense, LoraSpec
 
 
@@ -61,15 +61,16 @@ def activation(name: str, source: str = "config.json", key: str = "hidden_act") 
 
 
 def dense(features: int, name: str, *, use_bias: bool, dtype: Any, param_dtype: Any,
-          std: float = 0.02, lora: LoraSpec | None = None, role: str | None = None) -> nn.Dense:
+          std: float = 0.02, lora: LoraSpec | None = None, role: str | None = None) -> Callable:
     """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]; its kernel and bias
     gradients are float32 sums (`precision.Dense`). With a `lora` spec that names its `role` (q, k, v, o, gate,
-    up, down, or a fused qkv / gate_up), it carries an adapter."""
+    up, down, or a fused qkv / gate_up), it carries an adapter. Its output is named by its role for the remat
+    policies (models/remat.py)."""
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
               kernel_init=nn.initializers.normal(stddev=std), name=name)
-    if lora is not None and lora.applies(role):
-        return LoraDense(features, lora=lora, **kw)
-    return precision.Dense(features, **kw)
+    module = LoraDense(features, lora=lora, **kw) if lora is not None and lora.applies(role) else \
+        precision.Dense(features, **kw)
+    return lambda x: remat_lib.tag(module(x), role)
 
 
 class RMSNorm(nn.Module):
@@ -212,14 +213,14 @@ class GatedMLP(nn.Module):
 
 
 # --------------------------------------------------------------------------
-# Layer stacks: unrolled or scanned, optionally rematerialised
+# Layer stacks: unrolled or scanned, rematerialised under a policy
 # --------------------------------------------------------------------------
 
 SCANNED = "layers"        # parameter name of a scanned (stacked) block of layers
 
 
 def run_layers(layer_cls: type[nn.Module], layer_kwargs: Mapping[str, Any], x: jax.Array,
-               per_layer: Sequence[Any], shared: Sequence[Any], *, first: int, remat: bool, scan: bool,
+               per_layer: Sequence[Any], shared: Sequence[Any], *, first: int, remat: Any, scan: bool,
                select: Callable | None = None, sharding: Any = None) -> jax.Array:
     """Apply layers ``first .. first + len(per_layer) - 1`` of a stack to ``x``.
 
@@ -239,7 +240,7 @@ def run_layers(layer_cls: type[nn.Module], layer_kwargs: Mapping[str, Any], x: j
     kernels instead (ZeRO-3).
     """
     constrain = (lambda y: y) if sharding is None else (lambda y: jax.lax.with_sharding_constraint(y, sharding))
-    cls = nn.remat(layer_cls) if remat else layer_cls
+    cls = remat_lib.wrap(layer_cls, remat, scan)
     pick = select or (lambda _, *s: tuple(s))
     if not scan:
         for offset, value in enumerate(per_layer):

@@ -23,10 +23,11 @@ from infjax.data.inf_ir import DEFAULT_FIELD_MAP, FIELDS, LEGACY_FIELD_MAP, Toke
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 from infjax.models.hf import files as hf_files
+from infjax.models import remat as remat_lib
 from infjax.models.encoder import Encoder
 from infjax.runtime import distributed
 from infjax.runtime import mesh as mesh_lib
-from infjax.training import step as step_lib
+from infjax.training import remat_choice, step as step_lib
 
 log = logging.getLogger("infjax")
 
@@ -215,11 +216,71 @@ def total_steps(config, plan: batches.BatchPlan) -> int:
     return config.train.steps or config.train.epochs * plan.steps_per_epoch
 
 
-def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding):
+def compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding, example=None,
+                        memory_device=None):
     """The jitted train step (explicit shardings, donated state), with gradient caching per config.
 
     The encoder's activations keep their rows split over the batch axes layer by layer (see
-    `layers.run_layers`), so fsdp gathers kernels rather than every device encoding every row."""
+    `layers.run_layers`), so fsdp gathers kernels rather than every device encoding every row.
+
+    With `model.remat=auto`, `example` (the state and the widest batch, arrays or ShapeDtypeStructs with their
+    shardings) is compiled under each policy until one fits the memory of `memory_device` (default: the mesh's
+    first device), training/remat_choice.py; the choice is logged in one line and its compiled program kept."""
+    if remat_lib.normalize(config.model.remat) != "auto":       # offload where it cannot: full, one warning
+        policy = remat_lib.effective(encoder.remat)
+        encoder = encoder if policy == encoder.remat else encoder.with_remat(policy)
+        return jitted_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding)
+    if example is None:
+        raise ValueError("model.remat=auto needs the step's example inputs to choose a policy")
+
+    def compile_policy(policy: str) -> remat_choice.Tried:
+        step = jitted_step(config, encoder.with_remat(policy), objective, optimizer, schedule, mesh, state_sharding)
+        t0 = time.perf_counter()
+        try:
+            compiled = step.lower(*example).compile()
+        except Exception as err:     # noqa: BLE001 - a compiler refusing the memory (TPU) is an answer
+            line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            if "exceed" not in line.lower() and "memory" not in line.lower():
+                raise
+            log.info("remat auto: %s refused by the compiler: %s", policy, line[:200])
+            return remat_choice.Tried(policy, None, line, step)
+        peak = peak_bytes(compiled)
+        log.info("remat auto: %s compiled in %.0f s, peak %.2f GB per device", policy, time.perf_counter() - t0,
+                 peak / 1e9)
+        return remat_choice.Tried(policy, peak, None, step, compiled)
+
+    device = memory_device if memory_device is not None else mesh.devices.flat[0]
+    choice = remat_choice.choose(compile_policy, remat_choice.capacity(config.model.remat_memory_gb, device))
+    log.info(choice.line)
+    chosen = choice.chosen
+    return remat_choice.Precompiled(chosen.step, chosen.compiled, example[1], choice.policy, choice.line)
+
+
+def peak_bytes(compiled) -> int:
+    """A compiled program's peak memory per device: arguments, temporaries and outputs, less what outputs reuse
+    of the (donated) arguments."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def widest_step(build) -> int:
+    """A step packed in the run's widest shape (the first: it holds every step); step 0 when not packed."""
+    shapes = getattr(build, "shapes", None)
+    if shapes is None:
+        return 0
+    return int(next((i for i, s in enumerate(shapes.of_step) if s == 0), 0))
+
+
+def abstract_global_batch(local: dict, mesh) -> dict:
+    """This process's slice of a batch as the global batch's ShapeDtypeStructs (rows of every process, split
+    over the mesh's batch axes), what `mesh_lib.global_batch` would make of it."""
+    sharding = mesh_lib.batch_sharding(mesh)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((x.shape[0] * jax.process_count(),) + tuple(x.shape[1:]),
+                                                       x.dtype, sharding=sharding), local)
+
+
+def jitted_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding):
+    """The jitted train step of `encoder` as it is (its remat policy included)."""
     encoder = encoder.with_activation_sharding(mesh_lib.batch_sharding(mesh))
     # A dropout key goes to the encoder when the backbone's dropout or LoRA's applies; the backbone's own
     # dropout layers follow model.dropout either way.

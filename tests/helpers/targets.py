@@ -18,7 +18,7 @@ TINY = {
                   intermediate_size=128), {}),
     "qwen2": (dict(bench_shapes.QWEN25_15B, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, intermediate_size=256, vocab_size=30522, max_position_embeddings=512),
-              {"model.pooling": "last", "model.remat": True, "model.scan_layers": True}),
+              {"model.pooling": "last", "model.remat": "full", "model.scan_layers": True}),
     "modernbert": (dict(model_type="modernbert", architectures=["ModernBertModel"], vocab_size=30522,
                         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                         global_attn_every_n_layers=3, local_attention=32, max_position_embeddings=512,

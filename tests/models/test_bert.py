@@ -151,7 +151,7 @@ def test_minilm_scan_via_config_encoder_and_partition_rules(minilm_path):
     from ml_collections import ConfigDict
 
     config = config_lib.override(config_lib.base_config("multi_pi"),
-                                 {"model.family": "bert", "model.scan_layers": True, "model.remat": True})
+                                 {"model.family": "bert", "model.scan_layers": True, "model.remat": "full"})
     config_lib.validate(config, 8)
     encoder, params, _ = load_encoder(ConfigDict({"checkpoint": minilm_path, "family": "bert", "pooling": "mean",
                                                   "shared_encoder": True, "dtype": "float32", "remat": True,

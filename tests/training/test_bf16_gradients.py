@@ -51,7 +51,7 @@ def lowered_step_text(config) -> str:
 VARIANTS = [(f, {}) for f in FAMILIES] + [
     ("bert", {"model.lora.rank": 4}),
     ("bert", {"model.interaction": "cross_attention"}),
-    ("qwen2", {"model.pooling": "last", "model.remat": True, "model.scan_layers": True}),
+    ("qwen2", {"model.pooling": "last", "model.remat": "full", "model.scan_layers": True}),
 ]
 
 

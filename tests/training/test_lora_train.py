@@ -50,7 +50,7 @@ def _steps(config, n):
 def test_a_lora_step_trains_the_adapters_only():
     """Scanned, rematerialised layers on an fsdp x tensor mesh: the base never moves, AdamW keeps moments of the
     adapters only, and the first loss equals the full model's (B = 0 leaves the model as it was)."""
-    config = lora_config(**{"model.scan_layers": True, "model.remat": True, "mesh.data": 2, "mesh.fsdp": 2,
+    config = lora_config(**{"model.scan_layers": True, "model.remat": "full", "mesh.data": 2, "mesh.fsdp": 2,
                             "mesh.tensor": 2})
     (first, _, last), losses = _steps(config, 2)
     assert lora.has_adapters(first.params) and not lora.has_adapters(first.frozen)
@@ -65,7 +65,7 @@ def test_a_lora_step_trains_the_adapters_only():
     assert trainable < 0.01 * sum(x.size for x in jax.tree.leaves(first.frozen))
 
     (_, _), full_losses = _steps(small_config(**{"eval.synthetic": False, "model.scan_layers": True,
-                                                 "model.remat": True}), 1)
+                                                 "model.remat": "full"}), 1)
     np.testing.assert_allclose(losses[0], full_losses[0], rtol=1e-6)
 
 
@@ -82,13 +82,15 @@ def _folder_bytes(folder):
 
 
 def test_a_lora_checkpoint_holds_the_adapters_and_the_base_identity(lora_run, four_step_run):
-    """The adapters and their moments are saved, not the frozen base: a tenth of a full run's checkpoint of the
-    same model (four_step_run), which holds its weights and two moments of each."""
+    """The adapters and their moments are saved, not the frozen base: under a fifth of a full run's checkpoint of
+    the same model (four_step_run), which holds its weights and two moments of each; a checkpoint that held the
+    base too would be a third of it. (About a tenth is measured: how many files OCDBT writes, and so their
+    overhead, varies with the timing of the writes on a loaded machine: 9.7% and 10.7% seen.)"""
     workdir, result, config = lora_run
     assert config.model.checkpoint == four_step_run[2].model.checkpoint
     step_dir = os.path.join(workdir, "checkpoints", "4")
     full = _folder_bytes(os.path.join(four_step_run[0], "checkpoints", "4"))
-    assert _folder_bytes(step_dir) < 0.1 * full
+    assert _folder_bytes(step_dir) < 0.2 * full
     saved = json.load(open(os.path.join(step_dir, "config", "metadata")))
     assert saved["base_model"]["checkpoint"] == config.model.checkpoint
     assert len(saved["base_model"]["weights"]) == 16

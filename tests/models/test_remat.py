@@ -1,0 +1,161 @@
+"""Remat policies (models/remat.py) change what is recomputed, never what is computed; `auto`
+(training/remat_choice.py) takes the least recompute whose compiled step fits the device's memory.
+
+On the default config (multi_pi, synthetic data, 32 records with hard negatives) with tiny random checkpoints of
+the decoder families as their presets run them (scanned layers, last-token pooling) and of BERT with scanned
+layers. `offload` needs pinned host memory (GPU, TPU): its step is compiled for an H100 in tests/accelerators/.
+"""
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from infjax import config as config_lib
+from infjax.benchmarks import gradients, train as bench_train
+from infjax.errors import ConfigError
+from infjax.models import lora, remat
+from infjax.training import remat_choice, setup as setup_lib, state as state_lib, step as step_lib
+from tests.helpers import tiny
+
+CASES = {"llama": {"model.pooling": "last", "model.scan_layers": True},
+         "qwen2": {"model.pooling": "last", "model.scan_layers": True},
+         "bert": {"model.scan_layers": True}}
+
+
+@pytest.fixture(scope="module")
+def setups(tmp_path_factory):
+    """{family: bench Setup of the default config on its tiny checkpoint}, each built when first asked for."""
+    root = tmp_path_factory.mktemp("remat")
+
+    class Setups(dict):
+        def __missing__(self, family):
+            folder = tiny.write_random_checkpoint(family, tiny.FAMILY_CONFIGS[family], str(root / family), std=0.02)
+            config = config_lib.override(config_lib.base_config("multi_pi"), {
+                "model.checkpoint": folder, "eval.synthetic": False, "eval.canary": "", "train.steps": 1,
+                **CASES[family]})
+            self[family] = bench_train.Setup(config, None, devices=jax.devices()[:1])
+            return self[family]
+    return Setups()
+
+
+def _loss_and_grads(setup, policy):
+    trainable, frozen = lora.split(setup.params)
+    grad_fn = step_lib.make_grad_fn(setup.encoder.with_remat(policy), setup.objective, mesh=setup.mesh)
+    (loss, _), grads = jax.jit(grad_fn)(trainable, setup.batch(0), jax.random.key(0), frozen)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+# "To float32 rounding": a policy reorders no sum, it only computes some values twice, so XLA may fuse the
+# recomputed copy differently; every leaf within 1e-5 of its norm (measured on this CPU: equal bit for bit).
+# Qwen2 (the decoder presets' path) in the default suite; Llama and scanned BERT with the slow tests (~20 s each).
+@pytest.mark.parametrize("family", ["qwen2", pytest.param("llama", marks=pytest.mark.slow),
+                                    pytest.param("bert", marks=pytest.mark.slow)])
+def test_every_policy_gives_the_loss_and_gradients_of_none(setups, family):
+    setup = setups[family]
+    loss, grads = _loss_and_grads(setup, "none")
+    for policy in ("dots", "dots_except_mlp", "full"):
+        other_loss, other = _loss_and_grads(setup, policy)
+        worst = gradients.leaf_errors(grads, other)[0]
+        assert abs(other_loss - loss) <= 1e-6 * abs(loss), (policy, other_loss, loss)
+        assert worst.relative <= 1e-5, (policy, worst)
+
+
+@pytest.fixture(scope="module")
+def compiled_qwen(setups):
+    """The tiny Qwen2 train step compiled under each policy: {policy: (step, compiled, peak bytes)}."""
+    setup = setups["qwen2"]
+    example = setup.abstract_inputs(setup.abstract_batch(0))
+    out = {}
+    for policy in remat.RECOMPUTE_ORDER:
+        step = setup.step_for(policy)
+        compiled = step.lower(*example).compile()
+        out[policy] = (step, compiled, setup_lib.peak_bytes(compiled))
+    return out
+
+
+def test_each_policy_keeps_less_than_the_one_before(compiled_qwen):
+    """What a policy keeps is what the compiled step holds: none > dots > dots_except_mlp > full."""
+    peaks = [compiled_qwen[p][2] for p in remat.RECOMPUTE_ORDER]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+
+
+def test_auto_takes_the_least_recompute_that_fits_by_the_compiled_memory(compiled_qwen):
+    """A fake device memory between two policies' peaks makes `auto` take each policy in turn, compiling from
+    full back to the first that does not fit; the line names the peak, the memory and what that one needs.
+    Nothing fitting, it takes full and says so."""
+    compiled_calls = []
+
+    def compile_policy(policy):
+        compiled_calls.append(policy)
+        step, compiled, peak = compiled_qwen[policy]
+        return remat_choice.Tried(policy, peak, None, step, compiled)
+
+    for i, policy in enumerate(remat.RECOMPUTE_ORDER):
+        compiled_calls.clear()
+        capacity = int(compiled_qwen[policy][2] / (1 - remat_choice.MARGIN)) + 1
+        choice = remat_choice.choose(compile_policy, capacity, agree=lambda index: index)
+        assert choice.policy == policy
+        assert compiled_calls == list(reversed(remat.RECOMPUTE_ORDER[max(i - 1, 0):]))
+        assert choice.line.startswith(f"remat: {policy} (peak {compiled_qwen[policy][2] / 1e9:.1f} GB of ")
+        if i > 0:
+            before = remat.RECOMPUTE_ORDER[i - 1]
+            assert choice.line.endswith(f"; {before} needs {compiled_qwen[before][2] / 1e9:.1f} GB)")
+    choice = remat_choice.choose(compile_policy, 1000, agree=lambda index: index)
+    assert choice.policy == "full" and "no policy fits" in choice.line
+
+
+def test_every_process_takes_the_most_recompute_any_needs(compiled_qwen):
+    """Another process that needs `full` where this one fits `none`: this one takes full too (compiled first)."""
+    compiled_calls = []
+
+    def compile_policy(policy):
+        compiled_calls.append(policy)
+        step, compiled, peak = compiled_qwen[policy]
+        return remat_choice.Tried(policy, peak, None, step, compiled)
+
+    choice = remat_choice.choose(compile_policy, 10**15, agree=lambda index: len(remat.RECOMPUTE_ORDER) - 1)
+    assert choice.policy == "full" and compiled_calls == list(reversed(remat.RECOMPUTE_ORDER))
+
+
+def test_a_train_step_with_auto_runs_the_program_it_chose(setups, compiled_qwen, caplog):
+    """compiled_train_step with model.remat=auto and model.remat_memory_gb between dots' and none's peaks: it logs
+    the one line, runs dots' compiled program for the widest batch, and trains as dots' step does."""
+    setup = setups["qwen2"]
+    gb = compiled_qwen["dots"][2] / (1 - remat_choice.MARGIN) / 1e9 * 1.001
+    assert compiled_qwen["none"][2] / 1e9 > gb * (1 - remat_choice.MARGIN)
+    config = config_lib.override(setup.config.copy_and_resolve_references(),
+                                 {"model.remat": "auto", "model.remat_memory_gb": gb})
+    example = setup.abstract_inputs(setup.abstract_batch(0))
+    with caplog.at_level(logging.INFO, logger="infjax"):
+        step = setup_lib.compiled_train_step(config, setup.encoder, setup.objective, setup.optimizer,
+                                             setup.schedule, setup.mesh, setup.shardings, example)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remat: dots (")]
+    assert step.policy == "dots" and len(lines) == 1 and "none needs" in lines[0], caplog.text
+    state = lambda: state_lib.create_sharded_state(setup.params, setup.optimizer, config.train.seed,  # noqa: E731
+                                                   setup.encoder.module, setup.mesh)[0]
+    _, metrics = step(state(), setup.batch(0))
+    _, expected = compiled_qwen["dots"][0](state(), setup.batch(0))
+    assert float(metrics["loss"]) == float(expected["loss"])
+    assert float(metrics["grad_norm"]) == float(expected["grad_norm"])
+
+
+@pytest.mark.parametrize("value, ok", [("auto", True), ("dots_except_mlp", True), (True, True), ("False", True),
+                                       ("dot", False), ("", False), (1, False)])
+def test_remat_names_are_checked_in_one_line_listing_the_choices(value, ok):
+    config = config_lib.base_config("multi_pi")
+    config.model.remat = value if isinstance(value, str) else str(value)
+    if ok:
+        config_lib.validate(config)
+        return
+    with pytest.raises(ConfigError) as e:
+        config_lib.validate(config)
+    assert str(e.value).count("\n") == 0 and "config.model.remat=" in str(e.value)
+    assert "none, dots, dots_except_mlp, offload, full, auto" in str(e.value)
+
+
+def test_offload_where_there_is_no_pinned_host_memory_is_full_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="infjax"):
+        assert remat.effective("offload", "cpu") == "full"
+    assert len(caplog.records) == 1 and "model.remat=offload" in caplog.records[0].getMessage()
+    assert remat.effective("dots", "cpu") == "dots" and remat.effective(True) == "full"
