@@ -188,11 +188,15 @@ def test_warm_up_runs_every_compiled_shape_before_the_timed_steps():
     assert ran == ["small", "small", "large"] and state == 3
 
 
-@pytest.mark.slow          # the scale figures of a tiny shape at the paper's batch, with a trace (~1 min)
-def test_the_scale_figures_of_a_tiny_shape_come_with_a_kernel_profile(tmp_path):
-    """scale_one, the full form's per-shape figures, on CPU with a tiny BERT: the timed steps, and --profile's
+@pytest.mark.slow          # the scale figures of a tiny shape, with a trace (~10 s)
+def test_the_scale_figures_of_a_tiny_shape_come_with_a_kernel_profile(tmp_path, monkeypatch):
+    """scale_one, the full form's per-shape figures, on CPU with a tiny BERT (and a batch of 8 records at 32/64
+    tokens instead of the paper's: the figures' bookkeeping is the same): the timed steps, and --profile's
     summary of a jax.profiler trace of 3 more steps (what a GPU run reports, read from this CPU's trace)."""
     from infjax.benchmarks import accelerator, shapes
+
+    monkeypatch.setattr(accelerator, "SCALE_BATCH", 8)
+    monkeypatch.setattr(accelerator, "SCALE_LENS", (32, 64))
 
     hf_config = accelerator._tiny(shapes.BERT_BASE, 32, 2, 2, None, 64)
     result, texts = accelerator.scale_one(hf_config, False, str(tmp_path), profile=True)
