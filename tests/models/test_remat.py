@@ -47,7 +47,7 @@ def _loss_and_grads(setup, policy):
 
 
 # "To float32 rounding": a policy reorders no sum, it only computes some values twice, so XLA may fuse the
-# recomputed copy differently; every leaf within 1e-5 of its norm (measured on this CPU: equal bit for bit).
+# recomputed copy differently; every leaf within 1e-5 of its norm (measured on this CPU: Llama 0.0, scanned BERT 4.7e-7).
 # Leaf by leaf for Llama and scanned BERT in the slow run (~15-20 s a family); Qwen2's every policy is compared
 # in the default suite through its whole train step (loss, gradient norm, every updated parameter) below, from
 # programs that suite compiles anyway.
