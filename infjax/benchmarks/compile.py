@@ -242,9 +242,9 @@ def policy_row(r: Compiled, flops: flops_lib.StepFlops, target: targets.Target) 
     """One policy's line of the table: its peak, the FLOPs its program computes per device (the matmuls read
     from the compiled program, recompute included; attention kernels, custom calls, at their analytic FLOPs)
     and the step time that gives at 40% and 60% of the device's bf16 peak."""
-    row = {"policy": r.policy, "peak_bytes": r.memory["peak"] if r.refused is None else None, "refused": r.refused,
-           "fits": r.refused is None and r.memory["peak"] <= (1 - remat_choice.MARGIN) * allocator_bytes(target),
-           "compile_s": r.compile_s}
+    peak = r.memory["peak"] if r.refused is None else None
+    row = {"policy": r.policy, "peak_bytes": peak, "refused": r.refused, "compile_s": r.compile_s,
+           "fits": remat_choice.fits(remat_choice.Tried(r.policy, peak, r.refused), allocator_bytes(target))}
     if r.compiled is not None:
         program = r.compiled.as_text()
         matmul = hlo.matmul_flops(program)

@@ -122,10 +122,10 @@ class Setup:
         self.shardings = state_lib.state_shardings(self.abstract, self.encoder.module, self.mesh)
         self.params = params
         self.remat, self.remat_line = self.encoder.remat, ""
-        if remat_lib.normalize(config.model.remat) == "auto" and not choose_remat:
+        auto = remat_lib.normalize(config.model.remat) == "auto"
+        if auto and not choose_remat:
             self.step = self.step_for("full")
         else:
-            auto = remat_lib.normalize(config.model.remat) == "auto"
             example = self.abstract_inputs(self.abstract_batch(setup_lib.widest_step(self.build))) if auto else None
             self.step = setup_lib.compiled_train_step(config, self.encoder, self.objective, self.optimizer,
                                                       self.schedule, self.mesh, self.shardings, example, devices[0])
