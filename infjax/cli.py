@@ -105,15 +105,25 @@ def _flag_error(error: flags.Error) -> str:
     return first
 
 
+def given_empty(fv: flags.FlagValues, may_be_empty: Iterable[str] = ()) -> list[str]:
+    """The string flags given on the command line with an empty value (`--workdir=`, `--out="$UNSET"`) whose
+    default is not empty: for those, empty is not "not given" but a value that names nothing (a run would go
+    to the default folder, an output nowhere). `may_be_empty`: flags where empty means something (a prefix).
+    A config key (`--config.eval.canary=`) is the config's to validate: there empty may mean "off"."""
+    return [f.name for f in own_flags(fv) if f.present and f.value == "" and f.flag_type() == "string"
+            and f.default != "" and f.name not in may_be_empty and "." not in f.name]   # --config.KEY: validated
+
+
 def parse(prog: str, define: Callable[[flags.FlagValues], None], argv: Iterable[str], *, doc: str = "",
           required: Iterable[str] = (), after: Callable[[flags.FlagValues], None] | None = None,
           catch: tuple[type[BaseException], ...] = (),
-          message: Callable[[BaseException, list[str]], str] | None = None) -> flags.FlagValues:
+          message: Callable[[BaseException, list[str]], str] | None = None,
+          may_be_empty: Iterable[str] = ()) -> flags.FlagValues:
     """Parse `argv` (without the program name) into a new FlagValues defined by `define(fv)`.
 
     `after(fv)` runs once the flags are parsed (e.g. loading a config file); the errors it raises that are in
     `catch` (and every flags.Error and errors.UserError) become the one error line, worded by
-    `message(error, argv)` when given.
+    `message(error, argv)` when given. A string flag given empty is refused (`given_empty`).
     """
     argv = [str(a) for a in argv]
     required = tuple(required)
@@ -133,6 +143,10 @@ def parse(prog: str, define: Callable[[flags.FlagValues], None], argv: Iterable[
         rest = fv([prog, *argv])
         if len(rest) > 1:
             raise errors.UserError(f"unexpected argument(s) {rest[1:]}: every option is a --flag (see --help)")
+        empty = given_empty(fv, may_be_empty)
+        if empty:                    # the flag's own error, whatever `message` makes of the others
+            fail(prog, ", ".join(f"--{e}" for e in empty) + (" is" if len(empty) == 1 else " are")
+                 + " given empty (an unset shell variable?): give a value, or leave the flag out for its default")
         missing = [r for r in required if fv[r].value is None]
         if missing:
             raise errors.UserError(", ".join(f"--{r}" for r in missing)

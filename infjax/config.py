@@ -167,6 +167,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.train.nonfinite = "skip"         # a non-finite loss or gradient: skip the update (counted) | stop
     c.train.max_skipped = 0.5          # a run whose skipped (non-finite) steps exceed this share of its steps
                                        # ends with exit status 3 though it finished: it did not train (1.0 = never)
+    c.train.stop_grace_s = 300.0       # after SIGTERM / SIGINT: seconds to finish the step and save; past them the
+                                       # run exits (128 + signal) without that save, naming where it was held (0 = wait)
     c.train.chunk_size = 0             # gradient caching: rows per encoder pass (0 = off, one pass per input);
                                        # must divide the rows per global batch and be a multiple of
                                        # mesh.data * mesh.fsdp (the batch shards)
@@ -241,7 +243,7 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "train.epochs", "train.nonfinite",
-                     "train.max_skipped",
+                     "train.max_skipped", "train.stop_grace_s",
                      "data.resume_if_changed",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
@@ -389,6 +391,8 @@ def _validate_training(c) -> None:
     _check(c.train.warmup_steps >= 0, "train.warmup_steps", c.train.warmup_steps, "must be >= 0")
     _check(c.train.weight_decay >= 0, "train.weight_decay", c.train.weight_decay, "must be >= 0")
     _check(c.train.grad_clip >= 0, "train.grad_clip", c.train.grad_clip, "must be >= 0 (0 = off)")
+    _check(isinstance(c.train.stop_grace_s, (int, float)) and c.train.stop_grace_s >= 0, "train.stop_grace_s",
+           c.train.stop_grace_s, "must be >= 0 seconds (0 = wait for the checkpoint however long it takes)")
     _check(c.train.nonfinite in ("skip", "stop"), "train.nonfinite", c.train.nonfinite, "must be skip or stop")
     _check(isinstance(c.train.max_skipped, (int, float)) and 0 <= c.train.max_skipped <= 1, "train.max_skipped",
            c.train.max_skipped, "must be a share in [0, 1] (1.0 = never stop for skipped steps)")

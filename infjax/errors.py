@@ -52,7 +52,7 @@ class Terminated(BaseException):
 
 # Built-in errors whose message already names the path (FileNotFoundError: [Errno 2] ...: 'x').
 _PATH_ERRORS = (FileNotFoundError, FileExistsError, PermissionError, NotADirectoryError, IsADirectoryError)
-_DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS)
+DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS)
 EXIT_INTERRUPTED = 130
 
 
@@ -84,12 +84,13 @@ def exit_code(error: BaseException) -> int | None:
     if isinstance(error, OSError):
         # A full disk or a failing device stops a run; any other OSError (a missing or unreadable file, a
         # library's "cannot load ..." message) is about the input.
-        return RunStopped.exit_code if error.errno in _DEVICE_ERRNOS else UserError.exit_code
+        return RunStopped.exit_code if error.errno in DEVICE_ERRNOS else UserError.exit_code
     return None
 
 
 def report(prog: str, error: BaseException, log=None) -> int | None:
-    """Print `error` as one line and return its exit status; None (nothing printed) for a bug.
+    """Print `error` as one line and return its exit status; None (nothing printed) for a bug. The library
+    coroutines a reported error left pending stay quiet as the process exits (`_orphaned_library_coroutine`).
 
     `log` (a logging.Logger) is used instead of stderr when given, so the line carries
     the time stamp and prefix of the run's other lines.
@@ -97,6 +98,7 @@ def report(prog: str, error: BaseException, log=None) -> int | None:
     code = exit_code(error)
     if code is None:
         return None
+    _quiet_orphaned_coroutines()
     message = "interrupted (Ctrl-C)" if isinstance(error, KeyboardInterrupt) else describe(error)
     if log is not None:
         log.error("%s", message)
@@ -195,6 +197,31 @@ def library_errors_one_line():
     finally:
         for logger in loggers:
             logger.removeFilter(one_line)
+
+
+def _orphaned_library_coroutine(unraisable) -> bool:
+    """A coroutine of a storage library (Orbax's array reads and writes) finalized with the error of an operation
+    that already failed and was reported: when one array of a checkpoint cannot be read, each of the other
+    pending reads ends this way as the process exits (a traceback with a TensorStore spec each, thousands of
+    lines after the one that says what happened)."""
+    code = getattr(unraisable.object, "cr_code", None)
+    path = code.co_filename.replace("\\", "/") if code is not None else ""
+    return "/orbax/" in path or "/tensorstore/" in path
+
+
+def _quiet_orphaned_coroutines() -> None:
+    """From now until the process exits, `_orphaned_library_coroutine` and `_closed_loop_callback` errors (the
+    follow-on errors of one already reported) are not printed."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_orphaned_coroutines", False):
+        return
+
+    def hook(unraisable):
+        if not (_orphaned_library_coroutine(unraisable) or _closed_loop_callback(unraisable)):
+            previous(unraisable)
+
+    hook.quiets_orphaned_coroutines = True
+    sys.unraisablehook = hook
 
 
 @contextlib.contextmanager

@@ -111,7 +111,8 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def parse_flags(argv: list[str]) -> flags.FlagValues:
     """The parsed flags; `--help` prints them all and exits 0, a bad one is one line and exit 2."""
-    return cli.parse(PROG, define_flags, argv, doc=__doc__, required=("model", "dataset"))
+    return cli.parse(PROG, define_flags, argv, doc=__doc__, required=("model", "dataset"),
+                     may_be_empty=("query_template", "query_prefix", "passage_prefix"))
 
 
 def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[PairEmbedFn, EmbedFn]:

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from typing import NamedTuple
 
 if __name__ == "__main__":   # glibc reads its tunables once, at start: restart before the heavy imports
@@ -68,20 +69,46 @@ class CheckpointSaveError(errors.RunStopped):
     """A checkpoint could not be written (e.g. the disk is full); the message names the last complete one."""
 
 
+class RunFilesError(errors.RunStopped):
+    """A file of the run (metrics.jsonl, eval.json) could not be written: a full disk, a failing device."""
+
+
 class Preemption:
     """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns.
 
     The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
-    one step at which all stop."""
+    one step at which all stop. The signal also starts a clock: a run that has not left this block
+    `grace_s` seconds later (held in a write, a save or a wait that does not end) exits without its
+    checkpoint, status 128 + the signal, with one line saying where it was held and `expired()`'s text
+    (the checkpoint to resume from); the clock runs until `disarm()`, through the last save after the loop.
+    A second signal inside the block exits the same way at once."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self):
+    def __init__(self, grace_s: float = 0.0, expired=lambda: ""):
         self.received: str | None = None
+        self.grace_s, self._expired = grace_s, expired
         self._previous = {}
+        self._left = threading.Event()
+        self._main = threading.main_thread().ident
 
-    def _handle(self, signum, frame):   # noqa: ARG002
+    def _handle(self, signum, frame):
+        if self.received is not None:
+            self._exit(signum, f"stopped by a second {signal.Signals(signum).name}", frame)
         self.received = signal.Signals(signum).name
+        if self.grace_s > 0:
+            threading.Thread(target=self._watch, args=(signum,), name="infjax-stop-watch", daemon=True).start()
+
+    def _watch(self, signum: int) -> None:
+        if not self._left.wait(self.grace_s):
+            self._exit(signum, f"stopped by {signal.Signals(signum).name}, but the run did not reach its checkpoint "
+                               f"within train.stop_grace_s={self.grace_s:g} s")
+
+    def _exit(self, signum: int, why: str, frame=None) -> None:
+        log.error("%s (held %s); exiting without saving; %s", why, held_at(self._main, frame), self._expired())
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        os._exit(128 + signum)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -92,7 +119,37 @@ class Preemption:
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        return False
+        self._previous = {}
+        if self.received is None:
+            self.disarm()
+        return False        # after a signal the clock runs on: the save and the close after the loop are bounded
+
+    def disarm(self) -> None:
+        """The run is over (it returns or raises): the clock of a signal stops."""
+        self._left.set()
+
+
+def held_at(thread_id: int, frame=None) -> str:
+    """Where thread `thread_id` is now (or `frame`, where a signal handler interrupted it): its innermost call and,
+    when that is a library's, infjax's call into it."""
+    frame = frame or sys._current_frames().get(thread_id)   # noqa: SLF001 - the documented way to see a thread
+    if frame is None:
+        return "nowhere (the thread ended)"
+    stack = traceback.extract_stack(frame)
+
+    def short(f) -> str:
+        path = f.filename.replace("\\", "/")
+        if "/site-packages/" in path:
+            path = path.rsplit("/site-packages/", 1)[1]
+        elif "/infjax/" in path:
+            path = "infjax/" + path.rsplit("/infjax/", 1)[1]
+        else:
+            path = os.path.basename(path)
+        return f"{f.name} ({path}:{f.lineno})"
+
+    inner = stack[-1]
+    ours = next((f for f in reversed(stack) if "/infjax/" in f.filename.replace("\\", "/")), None)
+    return f"in {short(inner)}" + (f", called from {short(ours)}" if ours is not None and ours is not inner else "")
 
 
 def agreed_stop(received: str | None, step: int, ckpts: checkpoint.Checkpoints) -> str | None:
@@ -230,6 +287,23 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
     return start, state
 
 
+def note_schedule_change(config, ckpts: checkpoint.Checkpoints, start: int, steps: int) -> None:
+    """A run continued with another length (train.steps, or epochs over data of another size) follows the
+    learning-rate schedule of its new length from the checkpoint on, so that it still decays to its end: one line
+    says so, with the rate at the checkpoint's step on both schedules."""
+    position = ckpts.saved_data_position(start)
+    saved = position.get("schedule_steps")
+    if saved is None:                      # a checkpoint that predates the key: its config's train.steps
+        saved = int(ckpts.saved_config(start).get("train", {}).get("steps") or 0) or None
+    if saved is None or saved == steps:
+        return
+    rate = lambda total: float(state_lib.learning_rate_schedule(   # noqa: E731
+        config.train.learning_rate, total, config.train.warmup_steps)(start))
+    log.warning("the learning-rate schedule changed: the run now has %d steps where checkpoint %d's had %d, so from "
+                "step %d it follows the %d-step schedule (learning rate %.3g at step %d, where the %d-step one had "
+                "%.3g)", steps, start, saved, start, steps, rate(steps), start, saved, rate(saved))
+
+
 BASE_KEY = "base_model"     # config.json of a LoRA run's checkpoints: {"checkpoint", "weights"} of its base
 
 
@@ -344,10 +418,22 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
 def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs, evaluator,
            config_json, fingerprint, canaries) -> TrainResult:
     """Restore or start, evaluate before, train, evaluate after; eval.json."""
+    preemption = Preemption(config.train.stop_grace_s, lambda: last_complete(ckpts))
+    try:
+        return _train_until_stopped(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log,
+                                    specs, evaluator, config_json, fingerprint, canaries, preemption)
+    finally:
+        preemption.disarm()
+
+
+def _train_until_stopped(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs,
+                         evaluator, config_json, fingerprint, canaries, preemption) -> TrainResult:
     lost = False
     try:                   # the manager is closed on every path (else its threads report errors at exit) ...
         with lost_process_stops(ckpts):
             start, state = restore_or_start(config, ckpts, state, config_json, fingerprint)
+            if start:
+                note_schedule_change(config, ckpts, start, steps)
             skipped_at_start = int(state.skipped)
             if start >= steps:
                 log.warning("checkpoint step %d >= train.steps %d: nothing to train", start, steps)
@@ -362,11 +448,15 @@ def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metric
                          describe_milestone(results["before"]))
             state, losses_seen, preempted, last_eval = train_loop(
                 config, state, train_step, setup, mesh, ckpts, start, steps, metrics_log, specs, evaluator,
-                config_json, fingerprint, canaries, watch)
+                config_json, fingerprint, canaries, watch, preemption)
             close_checkpoints(ckpts, workdir)  # waits for asynchronous saves
     except distributed.ProcessLost:
         lost = True                            # ... but when another process is gone: closing would wait for it
         raise
+    except OSError as e:
+        if e.errno not in errors.DEVICE_ERRNOS:
+            raise
+        raise RunFilesError(f"{errors.describe(e)}; {last_complete(ckpts, ' once there is room')}") from e
     finally:
         if not lost:
             close_checkpoints(ckpts, workdir, quiet=True)
@@ -450,7 +540,8 @@ def milestone_sets(entry: dict) -> dict:
 
 def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps: int,
                writer: writers_lib.Writers, specs: list[str], evaluator: Evaluator, config_json: dict,
-               fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None) -> LoopResult:
+               fingerprint: dict, canaries: list[str] = (), watch: CanaryWatch | None = None,
+               preemption: Preemption | None = None) -> LoopResult:
     """Steps start..steps-1: log every log_every, evaluate `specs` (eval.sets) and the canaries at
     eval.every and at the end (warning when a canary drops), checkpoint, stop on a signal.
     """
@@ -474,7 +565,7 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                     f"--config.train.nonfinite=skip skips such steps instead.")
         unchecked.clear()
 
-    with Preemption() as preemption, console.progress(range(start, steps), start, steps,
+    with preemption or Preemption() as preemption, console.progress(range(start, steps), start, steps,
                                                       enabled=jax.process_index() == 0) as progress:
         for step in progress:
             host_batch = build(step)
@@ -518,8 +609,8 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
             preempted = agreed_stop(preemption.received, done, ckpts)
             if done % config.checkpoint.every == 0 or done == steps or preempted:
                 check_finite()
-                save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint},
-                                config_json)
+                save_checkpoint(ckpts, done, state, {**plan.position(done), "data_fingerprint": fingerprint,
+                                                     "schedule_steps": steps}, config_json)
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:
                 break

@@ -7,6 +7,8 @@
 # Env: INFJAX_LOCAL_DEVICES (CPU devices per process, default 1), INFJAX_PORT (coordinator port,
 # default a free one), PYTHON (default python), INFJAX_LOG_DIR (where process_i.log goes; default
 # the --workdir when it is local, else runs/local: never an evaluation's --out, which belongs to infjax.evaluate).
+# Each launch appends to the logs after a line of its own (the time, the process, the command): the logs of
+# earlier launches (a resumed run, a launch refused because the workdir is in use) are kept.
 set -euo pipefail
 if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || $((10#$1)) -lt 1 ]]; then
   echo "usage: $0 N [infjax.MODULE] <flags>   (N >= 1 processes${1:+; got $1})" >&2; exit 2
@@ -21,12 +23,20 @@ for arg in "$@"; do [[ "$arg" == --workdir=* ]] && LOG_DIR=${arg#--workdir=}; do
 if [[ "$LOG_DIR" == *://* ]]; then LOG_DIR=runs/local; fi   # an object-store workdir: the logs stay here
 LOG_DIR=${INFJAX_LOG_DIR:-$LOG_DIR}
 mkdir -p "$LOG_DIR"
+for ((i = 0; i < N; i++)); do
+  if [[ -L "$LOG_DIR/process_$i.log" ]]; then   # appending would write into whatever it points to
+    echo "$0: $LOG_DIR/process_$i.log is a symbolic link (to $(readlink "$LOG_DIR/process_$i.log")); remove it" >&2
+    exit 2
+  fi
+done
 pids=()
 for ((i = 0; i < N; i++)); do
+  echo "==== $(date '+%Y-%m-%d %H:%M:%S') launch/local.sh: process $i of $N (pid $$): $MODULE $*" \
+    >>"$LOG_DIR/process_$i.log"
   JAX_PLATFORMS=cpu \
   XLA_FLAGS="--xla_force_host_platform_device_count=${INFJAX_LOCAL_DEVICES:-1}" \
   INFJAX_COORDINATOR=127.0.0.1:$PORT INFJAX_NUM_PROCESSES=$N INFJAX_PROCESS_ID=$i \
-    "$PYTHON" -m "$MODULE" "$@" >"$LOG_DIR/process_$i.log" 2>&1 &
+    "$PYTHON" -m "$MODULE" "$@" >>"$LOG_DIR/process_$i.log" 2>&1 &
   pids+=($!)
 done
 status=0

@@ -66,7 +66,7 @@ def define_flags(fv: flags.FlagValues) -> None:
                       "weights) instead of config.model.checkpoint", flag_values=fv)
     flags.DEFINE_bool("paper", False, f"the paper's batch: {RECORDS_PER_DEVICE} records per device, 256/512 tokens, "
                       "bfloat16, InF-IR-shaped records (a --config.KEY=VALUE of these keys wins)", flag_values=fv)
-    flags.DEFINE_string("out", "", "also write the report as JSON to this file", flag_values=fv)
+    flags.DEFINE_string("out", None, "also write the report as JSON to this file", flag_values=fv)
 
 
 def _flags(argv):

@@ -13,7 +13,7 @@ Run = dict[str, dict[str, float]]
 
 def write_trec_run(path: str, run: Run, tag: str) -> None:
     """TREC format `qid Q0 docid rank score tag`, ranked by score then doc id (as metrics.ranks)."""
-    with open(path, "w", encoding="utf-8") as f:
+    with storage.replacing(path) as f:
         for q in sorted(run):
             for rank, (d, s) in enumerate(sorted(run[q].items(), key=lambda x: (-x[1], x[0])), 1):
                 f.write(f"{q} Q0 {d} {rank} {s:.6f} {tag}\n")
@@ -43,13 +43,13 @@ def write_outputs(out: str, summary: dict, meta: dict, results: list[dict]) -> N
     os.makedirs(out, exist_ok=True)
     if not os.access(out, os.W_OK):
         raise PermissionError(f"--out={out} is not writable")
-    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+    with storage.replacing(os.path.join(out, "summary.json")) as f:
         json.dump(summary, f, indent=2)
-    with open(os.path.join(out, "meta.json"), "w", encoding="utf-8") as f:
+    with storage.replacing(os.path.join(out, "meta.json")) as f:
         json.dump(meta, f, indent=2)
     several = len(results) > 1
     per_query = {r["name"]: r["per_query"] for r in results} if several else results[0]["per_query"]
-    with open(os.path.join(out, "per_query.json"), "w", encoding="utf-8") as f:
+    with storage.replacing(os.path.join(out, "per_query.json")) as f:
         json.dump(per_query, f, indent=1, sort_keys=True)
     tag = _slug(os.path.basename(os.path.normpath(meta["model"])))[-40:] or "infjax"
     for r in results:

@@ -78,10 +78,8 @@ class EmbeddingCache:
             with storage.Path(path).open("wb") as f:
                 np.save(f, emb)
         else:
-            tmp = path + f".tmp{os.getpid()}"
-            with open(tmp, "wb") as f:
+            with storage.replacing(path, binary=True) as f:     # never a half-written entry, nor through a link
                 np.save(f, emb)
-            os.replace(tmp, path)                              # atomic: never a half-written entry
         storage.write_text(storage.join(self.directory, key + ".json"), json.dumps(meta, indent=1))
         return emb
 

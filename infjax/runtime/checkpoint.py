@@ -31,9 +31,16 @@ class CheckpointReadError(UserError, RuntimeError):
 
 
 def _one_line(error: BaseException) -> str:
-    """The first line of an error (TensorStore's messages run to 20 lines), with its type."""
+    """The first line of an error (TensorStore's messages run to 20 lines), with its type. Orbax wraps a failed
+    array read in an exception whose text is the array's whole TensorStore spec: the error inside it (which names
+    the array, the file and what is wrong) is the one given."""
+    if "TensorStore details" in str(error):
+        inner = error
+        while inner.__cause__ is not None or inner.__context__ is not None:
+            inner = inner.__cause__ or inner.__context__
+        error = inner
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {first[:300]}"
+    return f"{type(error).__name__}: {first[:400]}"
 
 
 COMMIT_FILE = "commit_success.txt"   # on gs://, Orbax marks a finished step with this file instead of a rename
@@ -141,6 +148,7 @@ class Checkpoints:
         self.manager.check_for_errors()
         if self._unreported is not None and not self.manager.is_saving_in_progress():
             self.manager.check_for_errors()        # it may have failed between the two calls
+            self.manager.wait_until_finished()     # no wait now; raises what its last step (the rename) raised
             self._report()
 
     def finish(self) -> None:

@@ -9,11 +9,15 @@ or a lock (one run per workdir) handle the object-store case themselves.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import tempfile
 
 import fsspec
 from etils import epath
+
+from infjax.errors import UserError
 
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -28,10 +32,37 @@ def is_remote(path: str) -> bool:
     return bool(_URL.match(os.fspath(path)))
 
 
-def absolute(path: str) -> str:
-    """A local path made absolute (~ expanded); a URL unchanged but for a trailing slash."""
+# The package fsspec needs for an object store's URLs, and the infjax extra that installs it.
+_BACKENDS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3")}
+
+
+def check_backend(path: str) -> None:
+    """For a URL: raise UserError, one line naming the extra to install, when nothing can reach its store
+    (without this, the first read fails deep in fsspec with a long traceback)."""
     path = os.fspath(path)
-    return path.rstrip("/") if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+    if not is_remote(path):
+        return
+    protocol = path.split("://", 1)[0].lower()
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError:
+        package, extra = _BACKENDS.get(protocol, (None, None))
+        fix = (f"install the `{extra}` extra: pip install 'infjax[{extra}]' (it brings {package})" if extra
+               else "install the fsspec backend for it")
+        raise UserError(f"{path}: {protocol}:// needs a package that is not installed; {fix}") from None
+    except ValueError:
+        raise UserError(f"{path}: {protocol}:// is not a storage this installation knows (local paths, gs://, "
+                        f"s3://)") from None
+
+
+def absolute(path: str) -> str:
+    """A local path made absolute (~ expanded); a URL unchanged but for a trailing slash (its store's package
+    checked: `check_backend`)."""
+    path = os.fspath(path)
+    if is_remote(path):
+        check_backend(path)
+        return path.rstrip("/")
+    return os.path.abspath(os.path.expanduser(path))
 
 
 def unwritable(path: str) -> str | None:
@@ -66,44 +97,71 @@ def join(path: str, *parts: str) -> str:
     return os.path.join(path, *parts)
 
 
-def Path(path: str) -> epath.Path:  # noqa: N802 - a constructor
+def _path(path: str) -> epath.Path:
+    check_backend(path)
     return epath.Path(path)
 
 
+def Path(path: str) -> epath.Path:  # noqa: N802 - a constructor
+    return _path(path)
+
+
 def exists(path: str) -> bool:
-    return epath.Path(path).exists()
+    return _path(path).exists()
 
 
 def isdir(path: str) -> bool:
-    return epath.Path(path).is_dir()
+    return _path(path).is_dir()
 
 
 def listdir(path: str) -> list[str]:
     """Names in the folder (or under the prefix) `path`; [] when there is none."""
-    p = epath.Path(path)
+    p = _path(path)
     if not p.is_dir():
         return []
     return sorted(child.name for child in p.iterdir())
 
 
 def makedirs(path: str) -> None:
-    epath.Path(path).mkdir(parents=True, exist_ok=True)
+    _path(path).mkdir(parents=True, exist_ok=True)
 
 
 def read_text(path: str) -> str:
-    return epath.Path(path).read_text(encoding="utf-8")
+    return _path(path).read_text(encoding="utf-8")
+
+
+@contextlib.contextmanager
+def replacing(path: str, binary: bool = False):
+    """A new local file written in full, then renamed over `path` (never half written). The temporary file
+    gets a fresh name of its own (O_EXCL: nothing planted at a guessable name is followed), and the rename
+    replaces a symbolic link at `path` instead of writing through it. On an error the temporary file goes."""
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.tmp-")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())     # mkstemp makes 0600: the file gets the usual permissions
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_text(path: str, text: str) -> None:
-    """Write a whole file: locally through a temporary file and a rename (never half written); on an object
+    """Write a whole file: locally through `replacing` (never half written, never through a link); on an object
     store as one upload (an object appears only when complete)."""
     if is_remote(path):
-        epath.Path(path).write_text(text, encoding="utf-8")
+        _path(path).write_text(text, encoding="utf-8")
         return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(path) as f:
         f.write(text)
-    os.replace(tmp, path)
 
 
 def rename(src: str, dst: str) -> None:
@@ -111,7 +169,7 @@ def rename(src: str, dst: str) -> None:
     if not is_remote(src):
         os.replace(src, dst)
         return
-    s, d = epath.Path(src), epath.Path(dst)
+    s, d = _path(src), _path(dst)
     if s.is_dir():
         copy_tree(src, dst)
         s.rmtree()
@@ -121,7 +179,7 @@ def rename(src: str, dst: str) -> None:
 
 
 def rmtree(path: str) -> None:
-    p = epath.Path(path)
+    p = _path(path)
     if p.is_dir():
         p.rmtree()
     elif p.exists():
@@ -130,7 +188,7 @@ def rmtree(path: str) -> None:
 
 def copy_tree(src: str, dst: str) -> None:
     """Copy every file under `src` to the same relative path under `dst` (each may be local or a URL)."""
-    source = epath.Path(src)
+    source = _path(src)
     if not source.is_dir():
         raise FileNotFoundError(f"{src}: no such folder")
     makedirs(dst)
@@ -139,4 +197,4 @@ def copy_tree(src: str, dst: str) -> None:
         if child.is_dir():
             copy_tree(str(child), target)
         else:
-            child.copy(epath.Path(target), overwrite=True)
+            child.copy(_path(target), overwrite=True)

@@ -9,6 +9,7 @@ appended to, is rewritten whole at every checkpoint and at the end of the run.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -54,10 +55,13 @@ class WorkdirLock:
         if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
             raise UserError(f"--workdir={self.workdir} exists and is not a folder")
         self._created = not os.path.exists(self.workdir)
+        refuse_links(self.workdir)
         try:
             os.makedirs(self.workdir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
+            if e.errno == errno.ELOOP:       # a link planted after the check above
+                refuse_links(self.workdir)
             raise PermissionError(f"--workdir={self.workdir} is not writable: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,6 +92,21 @@ class WorkdirLock:
             os.remove(self.path)
             os.rmdir(self.workdir)
         return False
+
+
+RUN_FILES = (LOCK_FILE, METRICS_FILE, "eval.json")    # the files of a run folder infjax writes in place
+
+
+def refuse_links(workdir: str) -> None:
+    """A run's own files must not be symbolic links: opening one to write (the lock is truncated, metrics.jsonl
+    appended to) would change the file it points to, whatever it is. Refused, naming the link and its target,
+    before anything in the folder is opened. (Folders given as links, checkpoints/ on another disk, are used.)"""
+    for name in RUN_FILES:
+        path = os.path.join(workdir, name)
+        if os.path.islink(path):
+            raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); infjax writes that file of a run "
+                            f"folder itself and does not follow links there: remove the link, or choose another "
+                            f"--workdir")
 
 
 def _read(fd: int) -> dict:
@@ -171,8 +190,12 @@ class MetricsLog:
             self._lines.append(line)
             self._dirty = True
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+        try:                            # never through a link (see refuse_links): O_NOFOLLOW
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError as e:            # a full disk: the message names the file (write() errors name none)
+            raise OSError(e.errno, e.strerror, self.path) from e
 
     def flush(self) -> None:
         """Object store: rewrite the object with every record so far (locally records are already written)."""

@@ -6,14 +6,20 @@ The training loop hands every record to `Writers.write` in one call: a logged st
 warning (`{"step", "warning", ...}`). metrics.jsonl is the run's record (resume trims it, tests and
 tools read it): a failure to write it stops the run like any other failed write. The other writers are
 views of the same records: one that fails (a full disk, an unwritable folder, a missing package) logs
-one warning naming itself and is dropped, and training goes on. Only process 0 writes.
+one warning naming itself and is dropped, and training goes on. Each view runs in a thread of its own, so
+the step never waits on it: a view that stops taking records (its disk is full and its library blocks, a
+network that does not answer) is switched off as one that fails is, after STALL_S, and the end of the run
+waits for a view at most CLOSE_S. Only process 0 writes.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import queue
 import re
+import threading
+import time
 
 from infjax.runtime import storage
 from infjax.training.workdir import MetricsLog
@@ -23,6 +29,8 @@ log = logging.getLogger("infjax.writers")
 WRITERS = ("jsonl", "tensorboard", "wandb")   # the names log.writers may list
 TENSORBOARD_DIR = "tensorboard"
 WANDB_MODES = ("", "online", "offline", "disabled")   # log.wandb_mode ("": WANDB_MODE, else wandb's default)
+STALL_S = 60.0       # a view that has not taken a record for this long is switched off (it blocks)
+CLOSE_S = 30.0       # the end of a run waits this long for a view to write what it holds and close
 
 
 def writer_names(spec: str) -> list[str]:
@@ -72,6 +80,13 @@ class TensorBoard:
     def close(self) -> None:
         self._writer.close()
 
+    def abandon(self) -> None:
+        """Switched off while blocked: tensorboardX's exit hook would close it, waiting for ever on the writer
+        thread that died (a full disk); mark its files closed so that the process can exit."""
+        for writer in [self._writer.file_writer, *self._writer.all_writers.values()]:
+            if writer is not None:
+                writer.event_writer._closed = True     # noqa: SLF001 - what its close() checks first
+
 
 class WandB:
     """A Weights & Biases run (`log.wandb_*` keys): the same tags as TensorBoard in its history, at the
@@ -118,6 +133,65 @@ VIEWS = {"tensorboard": TensorBoard, "wandb": WandB}
 assert set(VIEWS) | {"jsonl"} == set(WRITERS)
 
 
+class Detached:
+    """A view driven by a thread of its own: `send` queues a call and returns at once, whatever the view does.
+
+    The view is opened in that thread too (W&B's start can wait on its network). A call that raises ends the
+    thread with that error (`failure`); a thread that has held a call for STALL_S without finishing it is
+    `stalled` (its library blocks: a writer thread of its own died on a full disk, a network that does not
+    answer). The owner switches off a view in either state; its thread, a daemon, is left behind."""
+
+    def __init__(self, name: str, opener):
+        self.name = name
+        self.failure: tuple[str, BaseException] | None = None
+        self.view = None                            # once opened
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy_since: float | None = None       # when the call it is in began; None while it waits
+        self._what = "open"
+        self._thread = threading.Thread(target=self._serve, args=(opener,), name=f"infjax-{name}-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self, opener) -> None:
+        self._busy_since = time.monotonic()
+        try:
+            view = self.view = opener()
+            while True:
+                self._busy_since = None
+                what, method, args = self._calls.get()
+                self._busy_since, self._what = time.monotonic(), what
+                getattr(view, method)(*args)
+                if method == "close":
+                    return
+        except Exception as e:  # noqa: BLE001 - a view must never stop training: reported by the owner
+            self.failure = (self._what, e)
+        finally:
+            self._busy_since = None
+
+    def send(self, what: str, method: str, *args) -> None:
+        self._calls.put((what, method, args))
+
+    def stalled(self) -> str | None:
+        """What it has been blocked in for more than STALL_S ("write", "open", ...), else None."""
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > STALL_S and self._thread.is_alive():
+            return self._what
+        return None
+
+    def abandon(self) -> None:
+        """Left behind: the view lets the process exit without closing it (`abandon`, where it has one)."""
+        if self.view is not None and hasattr(self.view, "abandon"):
+            try:
+                self.view.abandon()
+            except Exception:  # noqa: BLE001, S110 - a view's internals; nothing more can be done
+                pass
+
+    def join(self, timeout: float) -> bool:
+        """Whether the thread ended within `timeout` seconds."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 class Writers:
     """metrics.jsonl plus the views `names` asks for; the interface of `MetricsLog` (start, write, flush)."""
 
@@ -125,29 +199,34 @@ class Writers:
         self.jsonl = MetricsLog(workdir, enabled=enabled)
         self.workdir, self.config_json, self.enabled = workdir, config_json, enabled
         self.names = [n for n in names if n != "jsonl"]
-        self.views = []
+        self.views: list[Detached] = []
 
-    def _guard(self, name: str, what: str, call) -> bool:
-        try:
-            call()
-            return True
-        except Exception as e:  # noqa: BLE001 - a view must never stop training
-            log.warning("log.writers: the %s writer failed to %s (%s: %s); it is switched off, training goes on",
-                        name, what, type(e).__name__, e)
-            return False
+    def _drop(self, view: Detached, why: str, closing: bool = False) -> None:
+        log.warning("log.writers: the %s writer %s; %s", view.name, why,
+                    "it is left behind" if closing else "it is switched off, training goes on")
+        view.abandon()
+        self.views.remove(view)
+
+    def _check(self) -> None:
+        """Switch off every view that failed or stalled, one warning each."""
+        for view in list(self.views):
+            if view.failure is not None:
+                what, e = view.failure
+                self._drop(view, f"failed to {what} ({type(e).__name__}: {e})")
+            elif view.stalled():
+                self._drop(view, f"has been blocked in {view.stalled()} for more than {STALL_S:g} s")
 
     def _each(self, what: str, method: str, *args) -> None:
-        for view in list(self.views):
-            if not self._guard(view.name, what, lambda: getattr(view, method)(*args)):
-                self.views.remove(view)
+        self._check()
+        for view in self.views:
+            view.send(what, method, *args)
 
     def start(self, step: int) -> None:
         """The run begins after `step` (0: fresh): metrics.jsonl trimmed, the views opened (not before, so a
         run refused while restoring leaves nothing behind)."""
         self.jsonl.start(step)
         for name in self.names if self.enabled else ():
-            self._guard(name, "open", lambda name=name: self.views.append(
-                VIEWS[name](self.workdir, self.config_json, step)))
+            self.views.append(Detached(name, lambda name=name: VIEWS[name](self.workdir, self.config_json, step)))
 
     def write(self, record: dict) -> None:
         self.jsonl.write(record)
@@ -162,6 +241,12 @@ class Writers:
         self._each("flush", "flush")
 
     def close(self) -> None:
+        """Write what the views hold and close them, waiting at most CLOSE_S in all."""
         self.jsonl.flush()
         self._each("close", "close")
+        deadline = time.monotonic() + CLOSE_S
+        for view in list(self.views):
+            if not view.join(max(0.0, deadline - time.monotonic())):
+                self._drop(view, f"did not close within {CLOSE_S:g} s", closing=True)
+        self._check()                          # the views that failed to write or close
         self.views = []

@@ -467,6 +467,25 @@ def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_fold
     assert os.listdir(workdir / "checkpoints") == []
 
 
+class _FailedFinalize(_LandingSave):
+    """Orbax's manager after a background save whose last step (the rename into place) failed: nothing is in
+    progress, its checkpointer has no error to report, and only waiting on the finished save raises."""
+
+    def is_saving_in_progress(self):
+        return False
+
+
+def test_a_background_save_that_failed_is_never_logged_as_saved(tmp_path, caplog):
+    ckpts = checkpoint.Checkpoints(str(tmp_path / "w"))
+    ckpts.manager.close()
+    ckpts.manager = _FailedFinalize(ckpts.directory, 2, OSError(28, "No space left on device"))
+    ckpts.pending, ckpts._unreported = 2, (2, 0.0, 0.0)
+    with caplog.at_level(logging.INFO, logger="infjax"), pytest.raises(train.CheckpointSaveError,
+                                                                       match=r"saving checkpoint 2 .*No space left"):
+        train.poll_saves(ckpts)
+    assert not [r for r in caplog.records if "saved in" in r.getMessage()]
+
+
 def test_follow_on_errors_of_a_failed_save_are_counted_not_printed(capsys):
     """tensorstore's late callbacks into Orbax's closed loop (unraisable, one per pending write) become one count;
     Orbax's own error lines keep their message and lose their traceback; anything else is shown as before."""
@@ -608,3 +627,208 @@ def test_a_run_whose_negatives_differ_from_their_positives_only_invisibly_is_ref
                             "'instruction_negative'): the same text as instruction_positive (a negative must differ "
                             "from its positive; they differ only in invisible characters)")
     assert not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------ a signal while the run is held
+
+
+def test_a_signal_while_the_run_is_held_ends_it_after_the_grace_naming_where(monkeypatch, caplog):
+    """SIGTERM sets the stop flag; a run that cannot get back to its loop (held in a write or a wait that does not
+    end) exits 143 once train.stop_grace_s is over, naming where it was held; a second signal exits at once."""
+    import signal
+    import threading
+
+    exits = []
+    exited = threading.Event()
+    monkeypatch.setattr(train.os, "_exit", lambda code: (exits.append(code), exited.set()))
+    with caplog.at_level(logging.ERROR, logger="infjax.train"):
+        with train.Preemption(grace_s=0.5, expired=lambda: "the last complete checkpoint is C") as p:
+            signal.raise_signal(signal.SIGTERM)
+            assert p.received == "SIGTERM" and not exits           # the flag only: the loop stops at its step
+            assert exited.wait(timeout=20)     # the main thread held here: only the watchdog can end the run
+            exited.clear()
+            signal.raise_signal(signal.SIGINT)                      # a second signal: at once
+        p.disarm()
+    assert exits == [143, 130]
+    first, second = [r.getMessage() for r in caplog.records]
+    assert re.fullmatch(r"stopped by SIGTERM, but the run did not reach its checkpoint within train.stop_grace_s=0.5 s "
+                        r"\(held in wait \(threading.py:\d+\)\); exiting without saving; the last complete checkpoint "
+                        r"is C", first), first
+    assert re.fullmatch(r"stopped by a second SIGINT \(held in test_a_signal_while_the_run_is_held_ends_it_after_the_"
+                        r"grace_naming_where \(test_hardening.py:\d+\)\); exiting without saving; the last complete "
+                        r"checkpoint is C", second), second
+
+
+def test_without_a_signal_the_grace_never_ends_a_run(monkeypatch):
+    import signal
+    import time as time_lib
+
+    monkeypatch.setattr(train.os, "_exit", lambda code: pytest.fail(f"exited {code}"))
+    with train.Preemption(grace_s=0.1) as p:
+        time_lib.sleep(0.3)
+    assert p.received is None and signal.getsignal(signal.SIGTERM) is not p._handle
+
+
+def test_a_checkpoint_cut_short_is_one_line_naming_the_array_and_nothing_after_it(four_step_run, tmp_path):
+    """Every data file of checkpoint 4 (OCDBT's d/ folders, where the arrays' bytes are) cut to half its size: the
+    export that reads it prints one line naming the array and what is wrong, and nothing after it (before: the
+    other pending reads' coroutines, finalized as the process exited, printed a traceback each; for a resumed
+    run 3,855 lines)."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(four_step_run[0], workdir)
+    cut = 0
+    for root, _, files in os.walk(os.path.join(workdir, "checkpoints", "4", "state")):
+        for name in files if os.path.basename(root) == "d" else ():
+            path = os.path.join(root, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+            cut += 1
+    assert cut
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", "infjax.export", f"--workdir={workdir}", f"--out={tmp_path / 'out'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = (p.stdout + p.stderr).splitlines()
+    assert p.returncode == 2 and len(lines) == 1, "\n".join(lines[:40])
+    assert re.fullmatch(r"infjax.export: error: checkpoint .*/checkpoints/4 cannot be read \(parameters\): ValueError: "
+                        r"\w+: .*Error reading \"params\.[^\"]+\" in OCDBT database .*", lines[0]), lines[0]
+
+
+# ------------------------------------------------------------------ planted links, empty paths, other stores
+
+
+@pytest.mark.parametrize("name", workdir_lib.RUN_FILES)
+def test_a_run_file_planted_as_a_link_is_refused_and_its_target_untouched(tmp_path, name):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("precious data\n")
+    os.symlink(target, workdir / name)
+    with pytest.raises(errors.UserError, match=re.escape(f"{workdir / name} is a symbolic link (to {target}); "
+                                                         f"infjax writes that file of a run folder itself")):
+        with workdir_lib.WorkdirLock(str(workdir)):
+            pass
+    assert target.read_text() == "precious data\n" and os.path.islink(workdir / name)
+
+
+def test_files_written_whole_replace_a_planted_link_never_write_through_it(tmp_path):
+    from infjax.evaluation import trec
+    from infjax.runtime import storage
+
+    target = tmp_path / "precious.txt"
+    target.write_text("precious data\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("eval.json", "summary.json", "run.trec"):
+        os.symlink(target, out / name)
+    storage.write_text(str(out / "eval.json"), "{}")
+    trec.write_outputs(str(out), {"ndcg@10": 1.0}, {"model": "m"},
+                       [{"name": "t", "per_query": {"q": 1.0}, "runs": {"": {"q": {"d": 1.0}}}}])
+    assert target.read_text() == "precious data\n"
+    assert not any(os.path.islink(out / n) for n in ("eval.json", "summary.json", "run.trec"))
+    assert json.loads((out / "summary.json").read_text()) == {"ndcg@10": 1.0}
+    assert sorted(os.listdir(out)) == ["eval.json", "meta.json", "per_query.json", "run.trec", "summary.json"]
+
+
+def _stub_python(tmp_path):
+    """A stand-in for python that launch/local.sh starts: prints its process id and arguments, exits 0."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/bin/bash\necho \"process $INFJAX_PROCESS_ID ran: $*\"\n")
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def test_local_sh_keeps_the_logs_of_every_launch_and_refuses_a_linked_log(tmp_path):
+    env = dict(os.environ, PYTHON=_stub_python(tmp_path), INFJAX_PORT="12345")
+    workdir = tmp_path / "run"
+    for steps in (2, 4):                                 # a run, then its resumption (or a refused second launch)
+        p = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={workdir}", f"--config.train.steps={steps}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    for i in (0, 1):
+        lines = (workdir / f"process_{i}.log").read_text().splitlines()
+        assert [re.sub(r"^==== \S+ \S+ ", "==== TIME ", line) for line in lines] == [
+            f"==== TIME launch/local.sh: process {i} of 2 (pid {pid}): infjax.train --workdir={workdir} "
+            f"--config.train.steps={steps}" if header else
+            f"process {i} ran: -m infjax.train --workdir={workdir} --config.train.steps={steps}"
+            for steps, pid in ((2, lines[0].split("(pid ")[1].split(")")[0]), (4, lines[2].split("(pid ")[1].split(")")[0]))
+            for header in (True, False)]
+    target = tmp_path / "precious.txt"
+    target.write_text("precious data\n")
+    (workdir / "process_1.log").unlink()
+    os.symlink(target, workdir / "process_1.log")
+    p = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={workdir}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == (f"launch/local.sh: {workdir}/process_1.log is a symbolic link "
+                                                      f"(to {target}); remove it")
+    assert target.read_text() == "precious data\n" and len((workdir / "process_0.log").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--config=configs/multi_pi.py", "--workdir="], "--workdir"),
+    (["--model=", "--dataset=synthetic"], "--model"),
+    (["--model=runs/x", "--dataset=synthetic", "--out="], "--out"),
+    (["--workdir=runs/x", "--out="], "--out"),
+], ids=["train", "evaluate model", "evaluate out", "export"])
+def test_a_flag_given_empty_is_refused_not_taken_as_not_given(argv, flag, capsys, monkeypatch):
+    """`--workdir=$UNSET` used to send the run to runs/<objective>."""
+    monkeypatch.chdir(ROOT)
+    parse = {"train": train.parse_flags, "evaluate": evaluate.parse_flags,
+             "export": lambda a: export.main(a)}["export" if argv[0].startswith("--workdir") else
+                                                 "train" if argv[0].startswith("--config") else "evaluate"]
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f": error: {flag} is given empty (an unset shell variable?): give a "
+                                             f"value, or leave the flag out for its default"), err
+
+
+def test_flags_where_empty_means_something_still_take_it():
+    fv = evaluate.parse_flags(["--model=runs/x", "--dataset=synthetic", "--query_prefix=", "--instruction="])
+    assert fv.query_prefix == "" and fv.instruction == ""
+    fv = train.parse_flags(["--config=configs/multi_pi.py", "--config.eval.canary="])
+    assert fv.config.eval.canary == ""
+
+
+@pytest.mark.parametrize("url, extra, package", [("gs://bucket/run", "gcs", "gcsfs"),
+                                                 ("s3://bucket/run", "s3", "s3fs")])
+def test_an_object_store_without_its_package_is_one_line_naming_the_extra(url, extra, package, monkeypatch):
+    import fsspec  # noqa: F401
+
+    from infjax.runtime import storage
+
+    protocol = url.split("://")[0]
+    registry = sys.modules["fsspec.registry"]._registry     # noqa: SLF001 - the backend other tests loaded
+    monkeypatch.delitem(registry, protocol, raising=False)
+    monkeypatch.setitem(sys.modules, package, None)         # import gcsfs -> ImportError, as when not installed
+    for call, path in ((storage.absolute, url), (storage.exists, url),
+                       (lambda p: storage.write_text(p, ""), url + "/eval.json")):
+        with pytest.raises(errors.UserError) as e:
+            call(path)
+        assert str(e.value) == (f"{path}: {protocol}:// needs a package that is not installed; install the "
+                                f"`{extra}` extra: pip install 'infjax[{extra}]' (it brings {package})")
+
+
+class _SavedPosition:
+    """The one method note_schedule_change reads of Checkpoints."""
+
+    def __init__(self, schedule_steps):
+        self.schedule_steps = schedule_steps
+
+    def saved_data_position(self, step):
+        return {"epoch": 0, "offset": step, "schedule_steps": self.schedule_steps}
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_a_run_continued_with_more_steps_says_its_schedule_changed(caplog, warmup):
+    """A 2-step run continued to 4: the schedule becomes the 4-step one from step 2 (at step 2, 2.5e-5 where the
+    2-step one reached 0, for 5e-5 without warmup), and one warning says so with both rates."""
+    config = small_config(**{"train.learning_rate": 5e-5, "train.warmup_steps": warmup})
+    lr = lambda total, step: 5e-5 * (min(step / warmup, 1.0) if step < warmup else  # noqa: E731
+                                     1 - (step - warmup) / (total - warmup))
+    with caplog.at_level(logging.WARNING, logger="infjax.train"):
+        train.note_schedule_change(config, _SavedPosition(2), 2, 4)
+        train.note_schedule_change(config, _SavedPosition(4), 2, 4)          # the same length: nothing said
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the learning-rate schedule changed: the run now has 4 steps where checkpoint 2's had 2, so from step 2 it "
+        f"follows the 4-step schedule (learning rate {lr(4, 2):.3g} at step 2, where the 2-step one had "
+        f"{lr(2, 2):.3g})"]

@@ -257,3 +257,87 @@ def test_bar_and_log_lines_never_share_a_terminal_line(tmp_path):
     assert sum("step 12/12" in p for p in records) == 1 and bars       # both were shown
     mixed = [p for p in pieces if LOG_RECORD.search(p) and BAR.search(p)]
     assert not mixed, mixed[:3]
+
+
+class _Blocking:
+    """A view whose writes never return after the first (a library blocked on a full disk)."""
+
+    name = "blocking"
+    release = None
+
+    def __init__(self, workdir, config_json, start):
+        self.seen = []
+
+    def write(self, record):
+        self.seen.append(record["step"])
+        if len(self.seen) > 1:
+            _Blocking.release.wait()
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def _in_thread(call, timeout=30):
+    """`call()` in a thread, failing the test (not hanging it) when it does not return within `timeout` s."""
+    import threading
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{call} did not return within {timeout} s: it blocks the step"
+
+
+def test_a_view_that_blocks_is_switched_off_and_never_holds_the_run(tmp_path, monkeypatch, caplog):
+    import threading
+
+    _Blocking.release = threading.Event()
+    monkeypatch.setitem(writers.VIEWS, "blocking", _Blocking)
+    monkeypatch.setattr(writers, "STALL_S", 0.3)
+    monkeypatch.setattr(writers, "CLOSE_S", 0.5)
+    w = writers.Writers(str(tmp_path), ["jsonl", "blocking"], {})
+    try:
+        with caplog.at_level(logging.WARNING):
+            w.start(0)
+            for step in (1, 2, 3):
+                _in_thread(lambda step=step: w.write({"step": step, "loss": 1.0}))
+            time.sleep(0.6)                                            # the view is stuck in step 2's write
+            _in_thread(lambda: w.write({"step": 4, "loss": 1.0}))
+            _in_thread(w.close)
+    finally:
+        _Blocking.release.set()
+    warnings = [r.getMessage() for r in caplog.records if "log.writers" in r.getMessage()]
+    assert warnings == ["log.writers: the blocking writer has been blocked in write for more than 0.3 s; it is "
+                        "switched off, training goes on"]
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]   # the run's own record is whole
+
+
+def test_tensorboard_on_a_full_disk_is_switched_off_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
+    """The real TensorBoard writer, whose own writer thread dies of ENOSPC: tensorboardX's queue then blocks
+    every further record (10 places). The run's writes still return and the end of the run does not wait."""
+    from tensorboardX import record_writer
+
+    def full(self, data):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", full)
+    monkeypatch.setattr(writers, "STALL_S", 1.0)
+    monkeypatch.setattr(writers, "CLOSE_S", 2.0)
+    w = writers.Writers(str(tmp_path), ["jsonl", "tensorboard"], {})
+    with caplog.at_level(logging.WARNING):
+        w.start(0)
+        for step in range(1, 41):
+            _in_thread(lambda step=step: w.write({"step": step, "loss": 1.0}))
+            if step == 20:
+                time.sleep(1.5)
+        _in_thread(w.close)
+    warnings = [r.getMessage() for r in caplog.records if "log.writers" in r.getMessage()]
+    assert len(warnings) == 1 and re.fullmatch(
+        r"log.writers: the tensorboard writer (has been blocked in \w+ for more than 1 s|did not close within 2 s|"
+        r"failed to \w+ \(OSError: .*No space left on device.*\)); it is (switched off, training goes on|left behind)",
+        warnings[0]), warnings
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert len(f.readlines()) == 40
