@@ -9,6 +9,8 @@ when it is complete, with its duration and the part of it that held training up.
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 import shutil
@@ -129,7 +131,8 @@ class Checkpoints:
         save, so an error raised here may be that one's: `pending` names the step whose save is open."""
         if self._unreported is not None:       # the previous save is still open: Orbax would wait for it first
             waited = time.perf_counter()
-            self.manager.wait_until_finished()
+            with self._failed_unreported():
+                self.manager.wait_until_finished()
             self._report(held_up=time.perf_counter() - waited)
         start = time.perf_counter()
         self.manager.save(step, args=ocp.args.Composite(
@@ -145,19 +148,32 @@ class Checkpoints:
     def poll(self) -> None:
         """Between steps: raise the error of a background save that failed, else log the one that finished
         (its duration is then known to within a step). Cheap: no wait, no communication."""
-        self.manager.check_for_errors()
-        if self._unreported is not None and not self.manager.is_saving_in_progress():
+        with self._failed_unreported():
+            self.manager.check_for_errors()
+            if self._unreported is None or self.manager.is_saving_in_progress():
+                return
             self.manager.check_for_errors()        # it may have failed between the two calls
             self.manager.wait_until_finished()     # no wait now; raises what its last step (the rename) raised
-            self._report()
+        self._report()
 
     def finish(self) -> None:
         """Wait for the open background save (if any) and log it; raises its error if it failed."""
         waited = time.perf_counter()
-        self.manager.wait_until_finished()
-        self.manager.check_for_errors()
+        with self._failed_unreported():
+            self.manager.wait_until_finished()
+            self.manager.check_for_errors()
         if self._unreported is not None:
             self._report(held_up=time.perf_counter() - waited)
+
+    @contextlib.contextmanager
+    def _failed_unreported(self):
+        """Inside: an error is the open save's failure, so that save is never to be logged as saved (Orbax raises
+        a failure once: a later wait, closing the manager after the failure, would find nothing wrong)."""
+        try:
+            yield
+        except BaseException:
+            self._unreported = None
+            raise
 
     def _report(self, held_up: float = 0.0) -> None:
         """Log the open save as complete; `held_up`: seconds the loop has just waited for its end."""

@@ -201,10 +201,12 @@ class Writers:
         self.names = [n for n in names if n != "jsonl"]
         self.views: list[Detached] = []
 
-    def _drop(self, view: Detached, why: str, closing: bool = False) -> None:
+    def _drop(self, view: Detached, why: str, closing: bool = False, blocked: bool = False) -> None:
+        """Switch `view` off; one that is `blocked` is also abandoned (its library's exit hook would wait on it)."""
         log.warning("log.writers: the %s writer %s; %s", view.name, why,
                     "it is left behind" if closing else "it is switched off, training goes on")
-        view.abandon()
+        if blocked:
+            view.abandon()
         self.views.remove(view)
 
     def _check(self) -> None:
@@ -214,7 +216,7 @@ class Writers:
                 what, e = view.failure
                 self._drop(view, f"failed to {what} ({type(e).__name__}: {e})")
             elif view.stalled():
-                self._drop(view, f"has been blocked in {view.stalled()} for more than {STALL_S:g} s")
+                self._drop(view, f"has been blocked in {view.stalled()} for more than {STALL_S:g} s", blocked=True)
 
     def _each(self, what: str, method: str, *args) -> None:
         self._check()
@@ -247,6 +249,6 @@ class Writers:
         deadline = time.monotonic() + CLOSE_S
         for view in list(self.views):
             if not view.join(max(0.0, deadline - time.monotonic())):
-                self._drop(view, f"did not close within {CLOSE_S:g} s", closing=True)
+                self._drop(view, f"did not close within {CLOSE_S:g} s", closing=True, blocked=True)
         self._check()                          # the views that failed to write or close
         self.views = []

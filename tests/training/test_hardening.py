@@ -469,10 +469,16 @@ def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_fold
 
 class _FailedFinalize(_LandingSave):
     """Orbax's manager after a background save whose last step (the rename into place) failed: nothing is in
-    progress, its checkpointer has no error to report, and only waiting on the finished save raises."""
+    progress, its checkpointer has no error to report, and only waiting on the finished save raises, once (a
+    later wait, as closing the manager after the failure does, finds nothing wrong)."""
 
     def is_saving_in_progress(self):
         return False
+
+    def wait_until_finished(self):
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
 
 
 def test_a_background_save_that_failed_is_never_logged_as_saved(tmp_path, caplog):
@@ -482,7 +488,7 @@ def test_a_background_save_that_failed_is_never_logged_as_saved(tmp_path, caplog
     ckpts.pending, ckpts._unreported = 2, (2, 0.0, 0.0)
     with caplog.at_level(logging.INFO, logger="infjax"), pytest.raises(train.CheckpointSaveError,
                                                                        match=r"saving checkpoint 2 .*No space left"):
-        train.poll_saves(ckpts)
+        train.poll_saves(ckpts)                 # which closes the manager, waiting again, before it reports
     assert not [r for r in caplog.records if "saved in" in r.getMessage()]
 
 
