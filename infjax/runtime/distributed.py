@@ -183,6 +183,7 @@ def initialize(env=None, job: dict | None = None) -> dict:
         runtime_cpu.use_collectives(env)
         claim_coordinator_port(layout, identity, env)
         with _visible_wait(Waiting(layout, timeout)):
+            await_own_coordinator(layout, identity, env, timeout)
             # JAX's own timeouts lie beyond infjax's, so that infjax's line comes first
             jax.distributed.initialize(initialization_timeout=timeout + 120,
                                        heartbeat_timeout_seconds=max(JAX_MIN_HEARTBEAT_S, peer_timeout + 60),
@@ -246,8 +247,8 @@ def _who_has(values: dict[int, object]) -> str:
 
 def _port_fix(layout: clusters.Layout) -> str:
     if layout.kind == "INFJAX_COORDINATOR":
-        return ("give each job its own port in INFJAX_COORDINATOR (launch/local.sh: INFJAX_PORT, or leave it unset "
-                "for a free one)")
+        return ("give each job its own port in INFJAX_COORDINATOR; with launch/local.sh, another INFJAX_PORT or none "
+                "(a free one)")
     if layout.kind == "SLURM":
         return ("JAX derives the port from the SLURM job id, so jobs whose ids differ by a multiple of 4096 get the "
                 "same one: set JAX_COORDINATOR_PORT to a free port for this job")
@@ -267,7 +268,7 @@ def disagreement(identities: dict[int, dict], layout: clusters.Layout) -> str | 
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     at = f" at {layout.coordinator}" if layout.coordinator else ""
     return (f"the {len(identities)} processes that met at the coordinator{at} are not one job: they differ in "
-            f"{', '.join(shown)}{more}. Either two jobs share the coordinator's port ({_port_fix(layout)}), or the "
+            f"{', '.join(shown)}{more}. Either two jobs share the coordinator's port: {_port_fix(layout)}; or the "
             f"processes of one job were started with different flags or variables: start every process of a job "
             f"with the same config, workdir and process count")
 
@@ -367,11 +368,72 @@ def claim_coordinator_port(layout: clusters.Layout, identity: dict, env) -> None
                 probe.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                release_coordinator_port()
                 raise clusters.ClusterError(
                     f"process 0 of {layout.num_processes}: the coordinator port {port} is already in use on this "
                     f"host (by a process that is not infjax's, or another job's coordinator): "
                     f"{_port_fix(layout)}") from None
             # no IPv6 (or IPv4) on this host: the other family decides
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this host (in this network namespace): one that a socket can bind."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, address in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def await_own_coordinator(layout: clusters.Layout, identity: dict, env, timeout: int, clock=time.monotonic) -> None:
+    """A process other than 0 whose coordinator is on its own host: before registering with the coordinator,
+    wait until an infjax process holds the port's claim, and refuse where it belongs to another launch (another
+    SLURM job, another launch/local.sh) or already has a process of this job with this id on this host. A process
+    that registers with another job's coordinator is taken there for a restarted process of that job, and JAX's
+    coordination service then aborts every process of that job. Everything else (the coordinator on another host,
+    processes of one launch started with different flags) is for the check after connecting, which every process
+    makes and which refuses all of them alike."""
+    if layout.jax_detects or layout.process_id == 0 or env.get("JAX_COORDINATOR_BIND_ADDRESS") or \
+            not _is_local(layout.coordinator.rsplit(":", 1)[0]):
+        return
+    port = int(layout.coordinator.rsplit(":", 1)[1])
+    me = {"pid": os.getpid(), "process_id": layout.process_id, "job": identity}
+    deadline = clock() + timeout
+    while clock() < deadline:
+        holder = _ask_holder(port, me)
+        if holder is not None:
+            if holder.get("claimed_by") is not None:
+                variable = _PROCESS_ID.get(layout.kind, "process id")
+                raise clusters.ClusterError(
+                    f"process {layout.process_id} of {layout.num_processes}: process {holder['claimed_by']} on this "
+                    f"host was also started as process {layout.process_id} of this job: give each process its own "
+                    f"{variable} (0 .. {layout.num_processes - 1})")
+            theirs = (holder.get("job") or {}).get("launch")
+            if theirs and identity.get("launch") and theirs != identity["launch"]:
+                raise clusters.ClusterError(
+                    f"process {layout.process_id} of {layout.num_processes}: the coordinator port {port} on this "
+                    f"host is held by another job (process {holder.get('pid')}, {_describe_job(holder.get('job') or {})}"
+                    f"), not by this job's process 0: {_port_fix(layout)}")
+            return
+        if _answers(layout.coordinator, timeout=0.5):
+            return          # served, but by no infjax process of this network namespace: JAX's own checks decide
+        time.sleep(0.2)
+
+
+def release_coordinator_port() -> None:
+    """Give up this process's claim on the coordinator's port (it ends with the process anyway)."""
+    while _claim:
+        with contextlib.suppress(OSError):
+            sock = _claim.pop()
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
 
 
 def _taken(layout: clusters.Layout, port: int, holder: dict | None, identity: dict) -> str:
@@ -410,10 +472,21 @@ def _ask_holder(port: int, me: dict) -> dict | None:
         return None
 
 
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
 def _answer_claims(claim: socket.socket, me: dict, layout: clusters.Layout, port: int) -> None:
-    """The holder's side: answer who holds the port; a second process 0 of this job (while this one still waits
-    for the others) means that neither can start."""
-    text = json.dumps(me, sort_keys=True, default=str).encode() + b"\n"
+    """The holder's side: say who holds the port, and whether a live process of this job on this host already
+    asked with the same process id. A second process 0 of this job, or two processes with one id (while this one
+    still waits for the others), mean that the job cannot start: this process stops too, naming them."""
+    asked: dict[int, int] = {}          # process id -> pid of this job's processes on this host that asked
+    variable = _PROCESS_ID.get(layout.kind, "process id")
+    n = layout.num_processes
     while True:
         try:
             conn, _ = claim.accept()
@@ -422,20 +495,30 @@ def _answer_claims(claim: socket.socket, me: dict, layout: clusters.Layout, port
         with conn:
             conn.settimeout(5)
             try:
-                other = _read_line(conn)
-                conn.sendall(text)
+                other = _read_line(conn) or {}
+                same = other.get("job") == me["job"]
+                pid, i = other.get("pid"), other.get("process_id")
+                first = asked.get(i) if same and i is not None else None
+                twice = first is not None and first != pid and _alive(first)
+                conn.sendall(json.dumps(dict(me, claimed_by=first if twice else None), sort_keys=True,
+                                        default=str).encode() + b"\n")
             except OSError:
                 continue
         if not other:
             continue
-        if other.get("job") == me["job"] and _starting.is_set():
-            _stop_now(f"process 0 of {layout.num_processes}: process {other.get('pid')} on this host was also "
-                      f"started as process 0 of this job (and was refused the coordinator port {port}): give each "
-                      f"process its own {_PROCESS_ID.get(layout.kind, 'process id')} "
-                      f"(0 .. {layout.num_processes - 1})", clusters.ClusterError.exit_code)
-        elif other.get("job") != me["job"]:
-            log.warning("another job (process %s, %s) tried to start its coordinator on this job's port %d; it was "
-                        "refused", other.get("pid"), _describe_job(other.get("job") or {}), port)
+        if same and i == me["process_id"] and _starting.is_set():
+            _stop_now(f"process 0 of {n}: process {pid} on this host was also started as process 0 of this job (and "
+                      f"was refused the coordinator port {port}): give each process its own {variable} (0 .. {n - 1})",
+                      clusters.ClusterError.exit_code)
+        elif twice and _starting.is_set():
+            _stop_now(f"process 0 of {n}: processes {first} and {pid} on this host were both started as process {i} "
+                      f"of this job: give each process its own {variable} (0 .. {n - 1})",
+                      clusters.ClusterError.exit_code)
+        elif same and i is not None and not twice:
+            asked[i] = pid
+        elif not same:
+            log.warning("a process of another job (process %s, %s) looked for its coordinator on this job's port %d "
+                        "and was refused", pid, _describe_job(other.get("job") or {}), port)
 
 
 def check_allocation(layout: clusters.Layout, local_devices: int) -> None:
