@@ -415,8 +415,7 @@ def await_own_coordinator(layout: clusters.Layout, identity: dict, env, timeout:
                     f"process {layout.process_id} of {layout.num_processes}: process {holder['claimed_by']} on this "
                     f"host was also started as process {layout.process_id} of this job: give each process its own "
                     f"{variable} (0 .. {layout.num_processes - 1})")
-            theirs = (holder.get("job") or {}).get("launch")
-            if theirs and identity.get("launch") and theirs != identity["launch"]:
+            if _other_launch((holder.get("job") or {}).get("launch"), identity.get("launch")):
                 raise clusters.ClusterError(
                     f"process {layout.process_id} of {layout.num_processes}: the coordinator port {port} on this "
                     f"host is held by another job (process {holder.get('pid')}, {_describe_job(holder.get('job') or {})}"
@@ -472,6 +471,11 @@ def _ask_holder(port: int, me: dict) -> dict | None:
         return None
 
 
+def _other_launch(a: str | None, b: str | None) -> bool:
+    """Whether two launch ids say two jobs (both given and different)."""
+    return bool(a and b and a != b)
+
+
 def _alive(pid) -> bool:
     try:
         os.kill(int(pid), 0)
@@ -516,7 +520,7 @@ def _answer_claims(claim: socket.socket, me: dict, layout: clusters.Layout, port
                       clusters.ClusterError.exit_code)
         elif same and i is not None and not twice:
             asked[i] = pid
-        elif not same:
+        elif _other_launch((other.get("job") or {}).get("launch"), me["job"].get("launch")):
             log.warning("a process of another job (process %s, %s) looked for its coordinator on this job's port %d "
                         "and was refused", pid, _describe_job(other.get("job") or {}), port)
 
