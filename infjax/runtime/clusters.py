@@ -21,7 +21,10 @@ The coordinator's address and port follow JAX's own rules (the first node of the
 id for SLURM, the launcher's host for Open MPI; `JAX_COORDINATOR_PORT` overrides the port), so that a job
 started by hand next to one started by JAX agrees with it. What cannot work stops here, before any device is
 used, with the change to make: a SLURM allocation of several tasks entered without `srun`, a GPU list that
-does not split over the node's tasks, a `TPU_WORKER_HOSTNAMES` that is not a list of hosts.
+does not split over the node's tasks, GPUs that SLURM lists while CUDA_VISIBLE_DEVICES is unset, a
+`TPU_WORKER_HOSTNAMES` that is not a list of hosts. Every variable read here (and those JAX reads in
+`jax.distributed.initialize`: JAX_LOCAL_DEVICE_IDS, JAX_COORDINATOR_*, JAX_PARTITION_INDEX) is checked where it is
+read: an integer in its range, a coordinator as host:port, so that none fails later inside JAX.
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ def _int(env, key: str, what: str, low: int = 0, high: int | None = None, defaul
     return int(m.group(1))
 
 
-def _address(key: str, text: str, port_key: str | None = None) -> str:
+def _address(key: str, text: str) -> str:
     """A coordinator address host:port (IPv6 in brackets), refused in one line when it is a URL, has no port or
     a port outside 1-65535."""
     shown = f"{key}={text!r}"
@@ -106,7 +109,7 @@ def _url_host(text: str) -> str:
 
 
 def _port(env, default: int) -> str:
-    if env.get("JAX_COORDINATOR_PORT") is None or env.get("JAX_COORDINATOR_PORT") == "":
+    if not env.get("JAX_COORDINATOR_PORT"):
         return str(default)
     return str(_int(env, "JAX_COORDINATOR_PORT", "the coordinator's port", 1, 65535))
 

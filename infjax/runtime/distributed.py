@@ -5,6 +5,12 @@ MPI's mpirun, TPU pods, `INFJAX_COORDINATOR`, or one process), gives JAX the dev
 one start-up line on every process: the cluster, process i of N, its local devices and the global count. What
 cannot work stops there in one line naming the change to make (exit status 2), before any work.
 
+Processes that meet at one coordinator must be one job. Process 0 claims the coordinator's port first and refuses
+one that is taken (JAX's service binds with SO_REUSEPORT, so a second job's would start on it and the two jobs
+would mix); a process on the coordinator's host checks who holds the claim before it registers; once connected,
+every process compares what must be alike (`job_identity`: the config and workdir, the launch id, the process
+count) and its device count, and all refuse with the same line naming what differs.
+
 Waiting for the other processes is visible: a line every minute or so (a quarter of the timeout when that is
 shorter) with the time waited, the timeout and what this process can tell (whether process 0's coordinator
 answers). INFJAX_INIT_TIMEOUT (seconds, default 30 min: the hosts of a large job start minutes apart) ends the
