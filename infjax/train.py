@@ -699,15 +699,17 @@ def parse_flags(argv: list[str]) -> flags.FlagValues:
 def main(argv: list[str] | None = None) -> None:
     fv = parse_flags(sys.argv[1:] if argv is None else argv)
     cli.setup_logging(quiet=("absl",))
-    config, workdir = fv.config, fv.workdir
+    config, workdir = fv.config, fv.workdir or os.path.join("runs", fv.config.objective)
     # One line and exit 2 (bad input), 3 (run stopped), 130 (Ctrl-C); tracebacks only for bugs.
     platform.choose()                  # before JAX starts its backends: the CPU where a plugin has no hardware
     with errors.reported("infjax.train", log):
-        distributed.initialize()       # multi-host start-up, before any device is touched
+        # multi-host start-up, before any device is touched; the processes that meet must share config and workdir
+        distributed.initialize(job={"config": json.loads(config.to_json_best_effort()),
+                                    "workdir": storage.absolute(workdir)})
         if jax.process_index() != 0:   # one process reports progress; the others only warnings and errors
             logging.getLogger("infjax").setLevel(logging.WARNING)
         try:
-            run(config, workdir or os.path.join("runs", config.objective))
+            run(config, workdir)
             distributed.finished()
         except distributed.ProcessLost as e:   # one line, then out without the runtime's shutdown (it would
             errors.report("infjax.train", e, log)                   # wait for the lost process, then abort)

@@ -14,10 +14,23 @@ if [[ $# -lt 1 || ! "$1" =~ ^[0-9]+$ || $((10#$1)) -lt 1 ]]; then
   echo "usage: $0 N [infjax.MODULE] <flags>   (N >= 1 processes${1:+; got $1})" >&2; exit 2
 fi
 N=$((10#$1)); shift
+# The variables read below, checked here: XLA aborts (a segfault, or its whole flag list) on a bad device count.
+if [[ ! "${INFJAX_LOCAL_DEVICES:-1}" =~ ^[0-9]+$ || $((10#${INFJAX_LOCAL_DEVICES:-1})) -lt 1 ]]; then
+  echo "$0: INFJAX_LOCAL_DEVICES='${INFJAX_LOCAL_DEVICES}': the CPU devices per process must be a whole number >= 1" >&2
+  exit 2
+fi
+export INFJAX_LOCAL_DEVICES=$((10#${INFJAX_LOCAL_DEVICES:-1}))
+if [[ -n "${INFJAX_PORT:-}" && ( ! "$INFJAX_PORT" =~ ^[0-9]+$ || $((10#$INFJAX_PORT)) -lt 1 || $((10#$INFJAX_PORT)) -gt 65535 ) ]]; then
+  echo "$0: INFJAX_PORT='${INFJAX_PORT}': the coordinator's port must be a whole number from 1 to 65535 (unset: a free one)" >&2
+  exit 2
+fi
+# One id for the processes of this launch: processes of another job that reach this job's coordinator are refused.
+export INFJAX_LAUNCH_ID=${INFJAX_LAUNCH_ID:-local-${HOSTNAME:-host}-$$-$(date +%s%N)}
 MODULE=infjax.train
 if [[ $# -gt 0 && "$1" == infjax.* ]]; then MODULE=$1; shift; fi
 PYTHON=${PYTHON:-python}
-PORT=${INFJAX_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+PORT=${INFJAX_PORT:+$((10#$INFJAX_PORT))}
+PORT=${PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 LOG_DIR=runs/local
 for arg in "$@"; do [[ "$arg" == --workdir=* ]] && LOG_DIR=${arg#--workdir=}; done
 if [[ "$LOG_DIR" == *://* ]]; then LOG_DIR=runs/local; fi   # an object-store workdir: the logs stay here

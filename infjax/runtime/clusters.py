@@ -21,7 +21,10 @@ The coordinator's address and port follow JAX's own rules (the first node of the
 id for SLURM, the launcher's host for Open MPI; `JAX_COORDINATOR_PORT` overrides the port), so that a job
 started by hand next to one started by JAX agrees with it. What cannot work stops here, before any device is
 used, with the change to make: a SLURM allocation of several tasks entered without `srun`, a GPU list that
-does not split over the node's tasks, a `TPU_WORKER_HOSTNAMES` that is not a list of hosts.
+does not split over the node's tasks, GPUs that SLURM lists while CUDA_VISIBLE_DEVICES is unset, a
+`TPU_WORKER_HOSTNAMES` that is not a list of hosts. Every variable read here (and those JAX reads in
+`jax.distributed.initialize`: JAX_LOCAL_DEVICE_IDS, JAX_COORDINATOR_*, JAX_PARTITION_INDEX) is checked where it is
+read: an integer in its range, a coordinator as host:port, so that none fails later inside JAX.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ import re
 from infjax import errors
 
 CUDA_VISIBLE = "CUDA_VISIBLE_DEVICES"
+SLURM_GPUS = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS")    # the GPUs SLURM allocated (its own numbers)
+LAUNCH_ID = "INFJAX_LAUNCH_ID"      # one job's id where no scheduler gives one (launch/local.sh sets it)
 TPU_HOST_LISTS = ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES")
 # A host of a TPU host list: a name or an address, optionally "name:port:address" as libtpu accepts.
 _HOST = re.compile(r"[A-Za-z0-9_.\-\[\]]+(:[0-9]+)?(:[A-Za-z0-9_.:\-\[\]]+)?")
@@ -53,6 +58,7 @@ class Layout:
     local_device_ids: tuple[int, ...] | None = None   # given to JAX; None: every device the process sees
     allocated: int | None = None        # the devices the scheduler gave this process, where it says
     allocation: str = ""                # where `allocated` comes from, e.g. "CUDA_VISIBLE_DEVICES=0,1"
+    launch: str = ""                    # the launcher's id of this job where it gives one, e.g. "SLURM job 4242 step 0"
 
     @property
     def jax_detects(self) -> bool:
@@ -71,15 +77,68 @@ class Layout:
         return f"{self.kind} ({self.detail})" if self.detail else self.kind
 
 
-def _int(env, key: str, what: str, low: int = 0) -> int:
-    text = env.get(key, "")
-    try:
-        value = int(text)
-    except ValueError:
-        raise ClusterError(f"{key}={text!r}: {what} must be an integer >= {low}") from None
-    if value < low:
-        raise ClusterError(f"{key}={text!r}: {what} must be an integer >= {low}")
-    return value
+def _int(env, key: str, what: str, low: int = 0, high: int | None = None, default: str | None = None) -> int:
+    """The integer `env[key]` (`default` where unset), refused in one line unless low <= value (<= high)."""
+    text = env.get(key, default)
+    text = "" if text is None else text
+    bound = f">= {low}" if high is None else f"from {low} to {high}"
+    m = re.fullmatch(r"\s*(-?[0-9]+)\s*", text)
+    if m is None or int(m.group(1)) < low or (high is not None and int(m.group(1)) > high):
+        raise ClusterError(f"{key}={text!r}: {what} must be an integer {bound}")
+    return int(m.group(1))
+
+
+def _address(key: str, text: str) -> str:
+    """A coordinator address host:port (IPv6 in brackets), refused in one line when it is a URL, has no port or
+    a port outside 1-65535."""
+    shown = f"{key}={text!r}"
+    if "://" in text or "/" in text:
+        raise ClusterError(f"{shown}: must be host:port (process 0's host and a free port), not a URL: e.g. "
+                           f"{key}={_url_host(text)}")
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d+)", text)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise ClusterError(f"{shown}: must be host:port with a port from 1 to 65535 (process 0's host), "
+                           f"e.g. 10.0.0.1:1234 or [fd00::1]:1234")
+    return text
+
+
+def _url_host(text: str) -> str:
+    """"http://node1:1234/x" -> "node1:1234" (what a URL's user meant), or "host:port" where it says no port."""
+    m = re.match(r"[A-Za-z][A-Za-z0-9+.\-]*://([^/?#]+)", text)
+    return m.group(1) if m and re.search(r":\d+$", m.group(1)) else "host:port"
+
+
+def _port(env, default: int) -> str:
+    if not env.get("JAX_COORDINATOR_PORT"):
+        return str(default)
+    return str(_int(env, "JAX_COORDINATOR_PORT", "the coordinator's port", 1, 65535))
+
+
+def _coordinator(env, host: str, default_port: int) -> str:
+    """JAX_COORDINATOR_ADDRESS where given (checked), else host:port by the launcher's rule."""
+    given = env.get("JAX_COORDINATOR_ADDRESS")
+    if given:
+        return _address("JAX_COORDINATOR_ADDRESS", given.strip())
+    return f"{host}:{_port(env, default_port)}"
+
+
+def check_jax_variables(env) -> None:
+    """The variables JAX itself reads in `jax.distributed.initialize` with `int()` or as an address: refused here
+    in one line rather than as JAX's traceback."""
+    ids = env.get("JAX_LOCAL_DEVICE_IDS")
+    if ids and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", ids):
+        raise ClusterError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: must be local device numbers separated by commas "
+                           f"(e.g. 0,1,2,3; not a range), or unset for every device the process sees")
+    if ids and len(set(int(i) for i in ids.split(","))) != len(ids.split(",")):
+        raise ClusterError(f"JAX_LOCAL_DEVICE_IDS={ids!r}: names a device twice")
+    for key in ("JAX_PARTITION_INDEX", "JAX_SLICE_INDEX"):
+        if env.get(key) is not None:
+            _int(env, key, "the partition's index")
+    bind = env.get("JAX_COORDINATOR_BIND_ADDRESS")
+    if bind:
+        _address("JAX_COORDINATOR_BIND_ADDRESS", bind.strip())
+    if env.get("JAX_COORDINATOR_PORT"):
+        _port(env, 0)
 
 
 def expand_counts(text: str) -> list[int]:
@@ -118,6 +177,24 @@ def _gpu_list(env) -> list[str] | None:
     return entries or None
 
 
+def check_slurm_gpus(env) -> None:
+    """SLURM allocated GPUs (SLURM_STEP_GPUS / SLURM_JOB_GPUS) but CUDA_VISIBLE_DEVICES, which srun sets with them,
+    is missing: a container or wrapper dropped it. SLURM's numbers are its own (the GPUs' order in gres.conf);
+    CUDA numbers the GPUs it is shown from 0, in its own order, and where the job's cgroup hides the other GPUs
+    it shows only these. Which CUDA devices are this task's cannot be told from here, and guessing takes GPUs of
+    other jobs: refused, with the fix."""
+    if env.get(CUDA_VISIBLE) is not None:
+        return
+    for key in SLURM_GPUS:
+        listed = env.get(key, "").strip()
+        if listed and listed.lower() not in ("none", "(null)"):
+            raise ClusterError(
+                f"SLURM allocated GPUs {listed} to this task ({key}) but {CUDA_VISIBLE} is unset (a container or "
+                f"wrapper dropped it), so this task would use GPUs that are not its own: keep srun's "
+                f"{CUDA_VISIBLE} in the task's environment (e.g. docker run -e {CUDA_VISIBLE}; apptainer and "
+                f"enroot keep it unless told not to)")
+
+
 def share_gpus(env, tasks_on_node: int, local_rank: int, per_task: int | None, scheduler: str
                ) -> tuple[tuple[int, ...] | None, int | None, str]:
     """(local device ids for JAX, the GPUs allocated to this task, where that comes from) for the task of
@@ -152,40 +229,38 @@ def _slurm_tasks_on_node(env, ntasks: int) -> int:
                 raise ClusterError(f"{key}={env[key]!r}: not SLURM's tasks per node (e.g. 8(x2))") from None
             if len(set(counts)) == 1:
                 return counts[0]
-            node = int(env.get("SLURM_NODEID", "-1") or -1)
-            if 0 <= node < len(counts):
-                return counts[node]
-    nodes = int(env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")) or 1)
-    return max(1, ntasks // max(1, nodes))
-
-
-def _port(env, default: int) -> str:
-    return env.get("JAX_COORDINATOR_PORT") or str(default)
+            node = _int(env, "SLURM_NODEID", "the node's index in the step", 0, len(counts) - 1, default="0")
+            return counts[node]
+    key = "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NUM_NODES") else "SLURM_NNODES"
+    nodes = _int(env, key, "the number of nodes", 1, default="1")
+    return max(1, ntasks // nodes)
 
 
 def slurm(env) -> Layout:
     """A task that `srun` started (the step variables are set)."""
     ntasks = _int(env, "SLURM_NTASKS", "the number of tasks", 1)
-    procid = _int(env, "SLURM_PROCID", "the task's rank")
-    localid = _int(env, "SLURM_LOCALID", "the task's rank on its node")
+    procid = _int(env, "SLURM_PROCID", "the task's rank", 0, ntasks - 1)
     per_node = _slurm_tasks_on_node(env, ntasks)
-    per_task = int(env["SLURM_GPUS_PER_TASK"]) if env.get("SLURM_GPUS_PER_TASK", "").isdigit() else None
+    localid = _int(env, "SLURM_LOCALID", "the task's rank on its node", 0, per_node - 1)
+    per_task = _int(env, "SLURM_GPUS_PER_TASK", "the GPUs per task", 1) \
+        if re.fullmatch(r"\s*[0-9]+\s*", env.get("SLURM_GPUS_PER_TASK", "")) else None   # also "a100:2": not a count
+    check_slurm_gpus(env)
     ids, allocated, allocation = share_gpus(env, per_node, localid, per_task, "SLURM")
     detail = f"srun, {'1 task' if per_node == 1 else f'{per_node} tasks'} per node"
     if ntasks == 1:
         return Layout("SLURM", "srun, 1 task: one process", allocated=allocated, allocation=allocation)
     job = _int(env, "SLURM_JOB_ID", "the job id")
-    coordinator = env.get("JAX_COORDINATOR_ADDRESS") or \
-        f"{first_host(env['SLURM_STEP_NODELIST'])}:{_port(env, job % 4096 + 61440)}"
-    return Layout("SLURM", detail, True, coordinator, ntasks, procid, ids, allocated, allocation)
+    coordinator = _coordinator(env, first_host(env["SLURM_STEP_NODELIST"]), job % 4096 + 61440)
+    return Layout("SLURM", detail, True, coordinator, ntasks, procid, ids, allocated, allocation,
+                  launch=f"SLURM job {job} step {env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '?'))}")
 
 
 def open_mpi(env) -> Layout:
     """A rank that Open MPI's mpirun/mpiexec started (before Open MPI 5: OMPI_MCA_orte_hnp_uri is set)."""
     size = _int(env, "OMPI_COMM_WORLD_SIZE", "the number of ranks", 1)
-    rank = _int(env, "OMPI_COMM_WORLD_RANK", "the rank")
-    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "the rank on its node")
-    per_node = int(env["OMPI_COMM_WORLD_LOCAL_SIZE"]) if env.get("OMPI_COMM_WORLD_LOCAL_SIZE", "").isdigit() else 1
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", "the rank", 0, size - 1)
+    per_node = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "the ranks on this node", 1, size, default="1")
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "the rank on its node", 0, per_node - 1)
     ids, allocated, allocation = share_gpus(env, per_node, local_rank, None, "mpirun")
     detail = f"mpirun, {'1 rank' if per_node == 1 else f'{per_node} ranks'} per node"
     if size == 1:
@@ -200,14 +275,13 @@ def open_mpi(env) -> Layout:
         raise ClusterError(f"OMPI_MCA_orte_hnp_uri={uri!r}: not Open MPI's launcher address; start the ranks "
                            f"with mpirun, or set INFJAX_COORDINATOR, INFJAX_NUM_PROCESSES and INFJAX_PROCESS_ID")
     host = m.group(1) or f"[{m.group(2)}]"
-    coordinator = env.get("JAX_COORDINATOR_ADDRESS") or f"{host}:{_port(env, job % 4096 + 61440)}"
-    return Layout("Open MPI", detail, True, coordinator, size, rank, ids, allocated, allocation)
+    coordinator = _coordinator(env, host, job % 4096 + 61440)
+    return Layout("Open MPI", detail, True, coordinator, size, rank, ids, allocated, allocation,
+                  launch=f"Open MPI job {uri.split(';', 1)[0]}")
 
 
 def explicit(env) -> Layout:
-    coordinator = env["INFJAX_COORDINATOR"].strip()
-    if not re.fullmatch(r"\S+:\d+", coordinator):
-        raise ClusterError(f"INFJAX_COORDINATOR={coordinator!r}: must be host:port (process 0's host)")
+    coordinator = _address("INFJAX_COORDINATOR", env["INFJAX_COORDINATOR"].strip())
     for key in ("INFJAX_NUM_PROCESSES", "INFJAX_PROCESS_ID"):
         if key not in env:
             raise ClusterError(f"INFJAX_COORDINATOR is set but {key} is not: set INFJAX_NUM_PROCESSES (the "
@@ -216,7 +290,8 @@ def explicit(env) -> Layout:
     i = _int(env, "INFJAX_PROCESS_ID", "this process's id")
     if i >= n:
         raise ClusterError(f"INFJAX_PROCESS_ID={i}: must be below INFJAX_NUM_PROCESSES={n}")
-    return Layout("INFJAX_COORDINATOR", "", True, coordinator, n, i)
+    launch = env.get(LAUNCH_ID, "").strip()
+    return Layout("INFJAX_COORDINATOR", "", True, coordinator, n, i, launch=f"{LAUNCH_ID}={launch}" if launch else "")
 
 
 def tpu(env, on_tpu_vm: bool) -> Layout | None:
@@ -233,6 +308,8 @@ def tpu(env, on_tpu_vm: bool) -> Layout | None:
                 f"a message where it cannot identify the machine, and child processes inherit it): unset {key} "
                 f"(on a GKE TPU pod it lists the workers, e.g. host-0,host-1)")
     slices = env.get("MEGASCALE_NUM_SLICES", "1")
+    if slices.strip():
+        slices = str(_int(env, "MEGASCALE_NUM_SLICES", "the number of TPU slices", 1, default="1"))
     if not on_tpu_vm:
         if hosts is not None and len(hosts) > 1:
             raise ClusterError(f"{named[0][0]} names {len(hosts)} TPU hosts but JAX finds no TPU here (libtpu "
@@ -242,9 +319,11 @@ def tpu(env, on_tpu_vm: bool) -> Layout | None:
     if hosts is not None:
         if len(hosts) == 1 and slices in ("", "1"):
             return Layout("GKE TPU", f"{named[0][0]} names 1 host: one process")
-        if not env.get("TPU_WORKER_ID", "").isdigit():
+        if not re.fullmatch(r"\s*[0-9]+\s*", env.get("TPU_WORKER_ID", "")):
             raise ClusterError(f"{named[0][0]} names {len(hosts)} TPU hosts but TPU_WORKER_ID "
                                f"({env.get('TPU_WORKER_ID', 'unset')!r}) is not this worker's index")
+        _int(env, "TPU_WORKER_ID", f"this worker's index among the {len(hosts)} hosts of {named[0][0]}", 0,
+             len(hosts) - 1)
         return Layout("GKE TPU", f"{named[0][0]}, {len(hosts)} hosts, worker {env['TPU_WORKER_ID']}", True)
     if env.get("TPU_PROCESS_ADDRESSES_PATH"):
         return Layout("GKE TPU", "TPU_PROCESS_ADDRESSES_PATH", True)
@@ -256,6 +335,7 @@ def tpu(env, on_tpu_vm: bool) -> Layout | None:
 def layout(env, on_tpu_vm: bool = False) -> Layout:
     """This process's layout, from `env` (the process environment) and whether JAX runs on a Cloud TPU VM.
     Raises ClusterError (one line: what to change) where the job cannot start as it is."""
+    check_jax_variables(env)
     if "INFJAX_COORDINATOR" in env:
         return explicit(env)
     if "OMPI_MCA_orte_hnp_uri" in env:
@@ -279,5 +359,6 @@ def layout(env, on_tpu_vm: bool = False) -> Layout:
     if found is not None:
         return found
     if "SLURM_JOB_ID" in env:
+        check_slurm_gpus(env)
         return Layout("SLURM", "no srun, 1 task: one process")
     return Layout("one process")

@@ -5,6 +5,12 @@ MPI's mpirun, TPU pods, `INFJAX_COORDINATOR`, or one process), gives JAX the dev
 one start-up line on every process: the cluster, process i of N, its local devices and the global count. What
 cannot work stops there in one line naming the change to make (exit status 2), before any work.
 
+Processes that meet at one coordinator must be one job. Process 0 claims the coordinator's port first and refuses
+one that is taken (JAX's service binds with SO_REUSEPORT, so a second job's would start on it and the two jobs
+would mix); a process on the coordinator's host checks who holds the claim before it registers; once connected,
+every process compares what must be alike (`job_identity`: the config and workdir, the launch id, the process
+count) and its device count, and all refuse with the same line naming what differs.
+
 Waiting for the other processes is visible: a line every minute or so (a quarter of the timeout when that is
 shorter) with the time waited, the timeout and what this process can tell (whether process 0's coordinator
 answers). INFJAX_INIT_TIMEOUT (seconds, default 30 min: the hosts of a large job start minutes apart) ends the
@@ -23,8 +29,11 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
+import json
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -45,15 +54,18 @@ JAX_MIN_HEARTBEAT_S = 100         # JAX's default heartbeat timeout; infjax's ow
 EXIT_NOT_STARTED = errors.RunStopped.exit_code
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600    # a week: more is a slip of the keyboard, and JAX takes its timeouts as C++ ints
+
+
 def _seconds(env, key: str, default: int) -> int:
-    text = env.get(key, str(default))
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise clusters.ClusterError(f"{key}={text!r}: expected a whole number of seconds >= 1")
-    return value
+    text = env.get(key)
+    if text is None:
+        return default
+    m = re.fullmatch(r"\s*([0-9]+)\s*", text)
+    if m is None or not 1 <= int(m.group(1)) <= MAX_TIMEOUT_S:
+        raise clusters.ClusterError(f"{key}={text!r}: expected a whole number of seconds from 1 to {MAX_TIMEOUT_S} "
+                                    f"(7 days)")
+    return int(m.group(1))
 
 
 def on_cloud_tpu_vm() -> bool:
@@ -163,29 +175,360 @@ def _visible_wait(waiting: Waiting, clock=time.monotonic):
         done.set()
 
 
-def initialize(env=None) -> dict:
+def initialize(env=None, job: dict | None = None) -> dict:
     """Join this process's job (if it is one) and log the start-up line; returns the process and device counts.
-    Raises ClusterError (exit status 2, one line) where the environment describes a job that cannot start."""
+    `job`: what every process of one job has alike (infjax.train: the resolved config and the workdir; default:
+    the command line's arguments). Raises ClusterError (exit status 2, one line) where the environment describes
+    a job that cannot start, or where the processes that met are not one job."""
     env = os.environ if env is None else env
     timeout = _seconds(env, "INFJAX_INIT_TIMEOUT", DEFAULT_TIMEOUT_S)
     peer_timeout = _seconds(env, "INFJAX_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT_S)
     layout = clusters.layout(env, on_cloud_tpu_vm())
+    identity = job_identity(layout, job)
     if layout.distributed and not jax.distributed.is_initialized():
         runtime_cpu.use_collectives(env)
+        claim_coordinator_port(layout, identity, env)
         with _visible_wait(Waiting(layout, timeout)):
+            await_own_coordinator(layout, identity, env, timeout)
             # JAX's own timeouts lie beyond infjax's, so that infjax's line comes first
             jax.distributed.initialize(initialization_timeout=timeout + 120,
                                        heartbeat_timeout_seconds=max(JAX_MIN_HEARTBEAT_S, peer_timeout + 60),
                                        **layout.jax_arguments())
+        _starting.clear()
     info = dict(process_index=jax.process_index(), process_count=jax.process_count(),
                 local_devices=jax.local_device_count(), global_devices=jax.device_count(),
                 platform=platform.name(), cluster=layout.describe())
+    if jax.process_count() > 1 and jax.distributed.is_initialized():
+        agree_on_job(layout, identity, timeout)          # before any collective: unequal devices would break it
     with all_or_none("at start-up"):
         check_allocation(layout, jax.local_device_count())
     log.info("%s", start_up_line(layout))
     if jax.process_count() > 1 and jax.distributed.is_initialized():
         _watch_peers(peer_timeout)
     return info
+
+
+# ---- one job is one job: the coordinator's port, and what the processes that met have alike ----------------
+
+_starting = threading.Event()       # set while this process waits in jax.distributed.initialize
+_starting.set()
+_claim: list = []                   # the claim on the coordinator's port, held for the process's life
+_PROCESS_COUNT = {"INFJAX_COORDINATOR": "INFJAX_NUM_PROCESSES", "SLURM": "SLURM_NTASKS",
+                  "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+_PROCESS_ID = {"INFJAX_COORDINATOR": "INFJAX_PROCESS_ID", "SLURM": "SLURM_PROCID", "Open MPI": "OMPI_COMM_WORLD_RANK"}
+
+
+def job_identity(layout: clusters.Layout, job: dict | None) -> dict:
+    """What every process of this job must have alike: `job` (or the command line), the launcher's id of the job
+    where it gives one, and the process count this process was given."""
+    identity = dict(job) if job is not None else {"arguments": sys.argv[1:]}
+    if layout.launch:
+        identity["launch"] = layout.launch
+    if layout.num_processes is not None:
+        identity[_PROCESS_COUNT.get(layout.kind, "process count")] = layout.num_processes
+    return identity
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _who_has(values: dict[int, object]) -> str:
+    """{0: "a", 1: "b", 2: "a"} -> "process 0, 2: 'a'; process 1: 'b'"."""
+    groups: dict[str, list[int]] = {}
+    for p, v in sorted(values.items()):
+        groups.setdefault(json.dumps(v, sort_keys=True, default=str), []).append(p)
+    parts = []
+    for text, ps in groups.items():
+        shown = repr(json.loads(text))
+        parts.append(f"process {', '.join(map(str, ps))}: {shown[:80] + '...' if len(shown) > 80 else shown}")
+    return "; ".join(parts)
+
+
+def _port_fix(layout: clusters.Layout) -> str:
+    if layout.kind == "INFJAX_COORDINATOR":
+        return ("give each job its own port in INFJAX_COORDINATOR; with launch/local.sh, another INFJAX_PORT or none "
+                "(a free one)")
+    if layout.kind == "SLURM":
+        return ("JAX derives the port from the SLURM job id, so jobs whose ids differ by a multiple of 4096 get the "
+                "same one: set JAX_COORDINATOR_PORT to a free port for this job")
+    return "set JAX_COORDINATOR_PORT to a free port for this job"
+
+
+def disagreement(identities: dict[int, dict], layout: clusters.Layout) -> str | None:
+    """The line that refuses processes which met at one coordinator but do not have `job_identity` alike (two
+    jobs on one port, or processes started with other flags); None where they agree."""
+    flat = {p: _flat(i) for p, i in identities.items()}
+    keys = sorted(set().union(*flat.values()), key=lambda k: (not k.startswith(("launch", "workdir")), k))
+    differ = [k for k in keys
+              if len({json.dumps(f.get(k, "<unset>"), sort_keys=True, default=str) for f in flat.values()}) > 1]
+    if not differ:
+        return None
+    shown = [f"{k} ({_who_has({p: f.get(k, '<unset>') for p, f in flat.items()})})" for k in differ[:3]]
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    at = f" at {layout.coordinator}" if layout.coordinator else ""
+    return (f"the {len(identities)} processes that met at the coordinator{at} are not one job: they differ in "
+            f"{', '.join(shown)}{more}. Either two jobs share the coordinator's port: {_port_fix(layout)}; or the "
+            f"processes of one job were started with different flags or variables: start every process of a job "
+            f"with the same config, workdir and process count")
+
+
+def unequal_devices(counts: dict[int, int], layout: clusters.Layout) -> str | None:
+    """The line that refuses processes with unequal local device counts (every process builds an equal slice of
+    each batch); None where all have the same."""
+    if len(set(counts.values())) <= 1:
+        return None
+    groups: dict[int, list[int]] = {}
+    for p, n in sorted(counts.items()):
+        groups.setdefault(n, []).append(p)
+    said = "; ".join(f"process {', '.join(map(str, ps))} {'has' if len(ps) == 1 else 'have'} {n} device(s)"
+                     + (" each" if len(ps) > 1 else "") for n, ps in groups.items())
+    fix = {"SLURM": "the same number of tasks on every node (--ntasks-per-node, not --ntasks alone) and of GPUs per "
+                    "node, or --gpus-per-task",
+           "Open MPI": "the same number of ranks on every node (--npernode) and of GPUs per node",
+           "INFJAX_COORDINATOR": "the same number of devices to every process (CUDA_VISIBLE_DEVICES, "
+                                 "JAX_LOCAL_DEVICE_IDS; launch/local.sh: INFJAX_LOCAL_DEVICES)"}.get(
+        layout.kind, "hosts with the same number of devices")
+    return (f"the processes of this job have unequal device counts ({said}); every process takes an equal slice of "
+            f"each batch, so each needs the same number of devices: give {fix}")
+
+
+def agree_on_job(layout: clusters.Layout, identity: dict, timeout: int) -> None:
+    """Right after connecting, before any collective: every process posts its identity and device count in the
+    coordination service and reads everyone's; all reach the same verdict and refuse with the same line."""
+    client = getattr(jax_distributed.global_state, "client", None)
+    if client is None:
+        return
+    me, n = jax.process_index(), jax.process_count()
+    mine = {"job": identity, "devices": jax.local_device_count()}
+    try:
+        client.key_value_set(f"infjax/start/{me}", json.dumps(mine, sort_keys=True, default=str))
+        client.wait_at_barrier("infjax/start", min(timeout, 2**31 // 1000 - 1) * 1000)
+        records = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in client.key_value_dir_get("infjax/start/")}
+    except Exception as e:  # noqa: BLE001 - the runtime's error is reported in one line
+        first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ProcessStopped(f"not every process of the job reached the start-up check within INFJAX_INIT_TIMEOUT="
+                             f"{_minutes(timeout)} (one stopped: its log says why): {first[:200]}") from None
+    if sorted(records) != list(range(n)):
+        raise ProcessStopped(f"the start-up check found processes {sorted(records)} of {n}")
+    line = disagreement({p: r["job"] for p, r in records.items()}, layout) or \
+        unequal_devices({p: r["devices"] for p, r in records.items()}, layout)
+    if line:
+        raise clusters.ClusterError(line)
+
+
+def _coordinator_port(layout: clusters.Layout, env) -> int | None:
+    """The port process 0's coordination service binds (JAX: that of JAX_COORDINATOR_BIND_ADDRESS, else the
+    coordinator's); None where JAX finds the coordinator itself."""
+    address = env.get("JAX_COORDINATOR_BIND_ADDRESS") or layout.coordinator
+    if layout.jax_detects or address is None:
+        return None
+    return int(address.rsplit(":", 1)[1])
+
+
+def _claim_name(port: int) -> str:
+    # An abstract Unix socket: one per network namespace (as the port is), gone when its process ends.
+    return f"\0infjax/coordinator-port/{port}"
+
+
+def _describe_job(identity: dict) -> str:
+    for key in ("launch", "workdir", "arguments"):
+        if identity.get(key):
+            return f"{key} {identity[key]}"
+    return "another job"
+
+
+def claim_coordinator_port(layout: clusters.Layout, identity: dict, env) -> None:
+    """Process 0 only, before it starts the coordination service: refuse a port that is already taken. The gRPC
+    server of JAX's service binds with SO_REUSEPORT, so a second job's service on the same port starts without
+    an error, and the kernel then hands each connecting process to either service: two jobs become two mixed
+    ones. This process holds a claim on the port for its life (an abstract Unix socket named by the port, which
+    a second infjax process cannot bind); a second one asks the holder who it is and says which job holds the
+    port, or that it was also started as process 0 of the same job (then the holder stops too: its job cannot
+    start). A port held by anything else is found by binding it without SO_REUSEPORT."""
+    port = _coordinator_port(layout, env)
+    if port is None or layout.process_id != 0 or _claim:
+        return
+    me = {"pid": os.getpid(), "process_id": layout.process_id, "job": identity}
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        claim.bind(_claim_name(port))
+    except OSError as e:
+        claim.close()
+        if e.errno != errno.EADDRINUSE:
+            return                                   # no abstract sockets here (not Linux): the bind test below
+        raise clusters.ClusterError(_taken(layout, port, _ask_holder(port, me), identity)) from None
+    claim.listen(8)
+    _claim.append(claim)
+    threading.Thread(target=_answer_claims, args=(claim, me, layout, port), name="infjax-port", daemon=True).start()
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed job's TIME_WAIT is free
+                probe.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                release_coordinator_port()
+                raise clusters.ClusterError(
+                    f"process 0 of {layout.num_processes}: the coordinator port {port} is already in use on this "
+                    f"host (by a process that is not infjax's, or another job's coordinator): "
+                    f"{_port_fix(layout)}") from None
+            # no IPv6 (or IPv4) on this host: the other family decides
+
+
+def _is_local(host: str) -> bool:
+    """Whether `host` names an address of this host (in this network namespace): one that a socket can bind."""
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    for family, _, _, _, address in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def await_own_coordinator(layout: clusters.Layout, identity: dict, env, timeout: int, clock=time.monotonic) -> None:
+    """A process other than 0 whose coordinator is on its own host: before registering with the coordinator,
+    wait until an infjax process holds the port's claim, and refuse where it belongs to another launch (another
+    SLURM job, another launch/local.sh) or already has a process of this job with this id on this host. A process
+    that registers with another job's coordinator is taken there for a restarted process of that job, and JAX's
+    coordination service then aborts every process of that job. Everything else (the coordinator on another host,
+    processes of one launch started with different flags) is for the check after connecting, which every process
+    makes and which refuses all of them alike."""
+    if layout.jax_detects or layout.process_id == 0 or env.get("JAX_COORDINATOR_BIND_ADDRESS") or \
+            not _is_local(layout.coordinator.rsplit(":", 1)[0]):
+        return
+    port = int(layout.coordinator.rsplit(":", 1)[1])
+    me = {"pid": os.getpid(), "process_id": layout.process_id, "job": identity}
+    deadline = clock() + timeout
+    while clock() < deadline:
+        holder = _ask_holder(port, me)
+        if holder is not None:
+            if holder.get("claimed_by") is not None:
+                variable = _PROCESS_ID.get(layout.kind, "process id")
+                raise clusters.ClusterError(
+                    f"process {layout.process_id} of {layout.num_processes}: process {holder['claimed_by']} on this "
+                    f"host was also started as process {layout.process_id} of this job: give each process its own "
+                    f"{variable} (0 .. {layout.num_processes - 1})")
+            if _other_launch((holder.get("job") or {}).get("launch"), identity.get("launch")):
+                raise clusters.ClusterError(
+                    f"process {layout.process_id} of {layout.num_processes}: the coordinator port {port} on this "
+                    f"host is held by another job (process {holder.get('pid')}, {_describe_job(holder.get('job') or {})}"
+                    f"), not by this job's process 0: {_port_fix(layout)}")
+            return
+        if _answers(layout.coordinator, timeout=0.5):
+            return          # served, but by no infjax process of this network namespace: JAX's own checks decide
+        time.sleep(0.2)
+
+
+def release_coordinator_port() -> None:
+    """Give up this process's claim on the coordinator's port (it ends with the process anyway)."""
+    while _claim:
+        with contextlib.suppress(OSError):
+            sock = _claim.pop()
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def _taken(layout: clusters.Layout, port: int, holder: dict | None, identity: dict) -> str:
+    n = layout.num_processes
+    if holder is not None and holder.get("job") == identity:
+        variable = _PROCESS_ID.get(layout.kind, "the process id")
+        return (f"process 0 of {n}: process {holder['pid']} on this host was also started as process 0 of this job "
+                f"and holds its coordinator port {port}: give each process its own {variable} (0 .. {n - 1})")
+    who = f"process {holder['pid']}, {_describe_job(holder['job'])}" if holder else "an infjax process"
+    return (f"process 0 of {n}: the coordinator port {port} on this host is taken by another job ({who}): "
+            f"{_port_fix(layout)}")
+
+
+def _read_line(conn: socket.socket, limit: int = 1 << 22) -> dict | None:
+    data = b""
+    while not data.endswith(b"\n") and len(data) < limit:
+        chunk = conn.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def _ask_holder(port: int, me: dict) -> dict | None:
+    """The holder of the port's claim: its pid, process id and job (None where it does not answer)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            conn.connect(_claim_name(port))
+            conn.sendall(json.dumps(me, sort_keys=True, default=str).encode() + b"\n")
+            return _read_line(conn)
+    except OSError:
+        return None
+
+
+def _other_launch(a: str | None, b: str | None) -> bool:
+    """Whether two launch ids say two jobs (both given and different)."""
+    return bool(a and b and a != b)
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError):
+        return False
+    return True
+
+
+def _answer_claims(claim: socket.socket, me: dict, layout: clusters.Layout, port: int) -> None:
+    """The holder's side: say who holds the port, and whether a live process of this job on this host already
+    asked with the same process id. A second process 0 of this job, or two processes with one id (while this one
+    still waits for the others), mean that the job cannot start: this process stops too, naming them."""
+    asked: dict[int, int] = {}          # process id -> pid of this job's processes on this host that asked
+    variable = _PROCESS_ID.get(layout.kind, "process id")
+    n = layout.num_processes
+    while True:
+        try:
+            conn, _ = claim.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(5)
+            try:
+                other = _read_line(conn) or {}
+                same = other.get("job") == me["job"]
+                pid, i = other.get("pid"), other.get("process_id")
+                first = asked.get(i) if same and i is not None else None
+                twice = first is not None and first != pid and _alive(first)
+                conn.sendall(json.dumps(dict(me, claimed_by=first if twice else None), sort_keys=True,
+                                        default=str).encode() + b"\n")
+            except OSError:
+                continue
+        if not other:
+            continue
+        if same and i == me["process_id"] and _starting.is_set():
+            _stop_now(f"process 0 of {n}: process {pid} on this host was also started as process 0 of this job (and "
+                      f"was refused the coordinator port {port}): give each process its own {variable} (0 .. {n - 1})",
+                      clusters.ClusterError.exit_code)
+        elif twice and _starting.is_set():
+            _stop_now(f"process 0 of {n}: processes {first} and {pid} on this host were both started as process {i} "
+                      f"of this job: give each process its own {variable} (0 .. {n - 1})",
+                      clusters.ClusterError.exit_code)
+        elif same and i is not None and not twice:
+            asked[i] = pid
+        elif _other_launch((other.get("job") or {}).get("launch"), me["job"].get("launch")):
+            log.warning("a process of another job (process %s, %s) looked for its coordinator on this job's port %d "
+                        "and was refused", pid, _describe_job(other.get("job") or {}), port)
 
 
 def check_allocation(layout: clusters.Layout, local_devices: int) -> None:

@@ -61,7 +61,8 @@ def run_all(commands, kill_on_bad_exit=True):
 
 SBATCH = r'''
 """Stand-in sbatch: `sbatch [--opt=value ...] SCRIPT [ARGS]` runs SCRIPT now, in the foreground, with the job's
-variables as sbatch sets them (from the script's #SBATCH lines; options given here win)."""
+variables as sbatch sets them (from the script's #SBATCH lines; options given here win). The job id is one whose
+port (by JAX's rule) is free here, or STANDIN_SLURM_JOB_ID."""
 import re
 
 
@@ -88,6 +89,7 @@ for line in open(script):
 nodes = int(opts.get("nodes", 1))
 per_node = int(opts.get("ntasks-per-node", 1))
 job = free_port_in(61440, 65535) - 61440 + 4096 * random.randint(1, 200)    # JAX's port: job % 4096 + 61440
+job = int(os.environ.get("STANDIN_SLURM_JOB_ID") or job)      # a given id (two jobs whose ports collide)
 env = dict(os.environ)
 env.update(SLURM_JOB_ID=str(job), SLURM_JOBID=str(job), SLURM_JOB_NAME=opts.get("job-name", os.path.basename(script)),
            SLURM_NNODES=str(nodes), SLURM_JOB_NUM_NODES=str(nodes), SLURM_NTASKS=str(nodes * per_node),
@@ -113,7 +115,10 @@ sys.exit(subprocess.call(["bash", script, *rest], env=env))
 SRUN = r'''
 """Stand-in srun (inside an allocation of the stand-in sbatch): starts the step's tasks with the step's
 variables: SLURM_STEP_*, SLURM_PROCID, SLURM_LOCALID, SLURM_NODEID, and CUDA_VISIBLE_DEVICES as srun's GPU
-binding sets it (with --gpus-per-task: each task its own GPUs; else every GPU of its node)."""
+binding sets it (with --gpus-per-task: each task its own GPUs; else every GPU of its node). `-n`/`--ntasks` that the
+nodes do not divide are placed as SLURM's block distribution places them (3 on 2 nodes: 2 and 1). With
+STANDIN_DEVICES=gpus, each task has as many CPU devices as it owns GPUs (its node's GPUs shared among the node's
+tasks), as a GPU task sees once JAX is given its GPUs: nodes with unequal tasks give tasks unequal devices."""
 args = sys.argv[1:]
 opts = {}
 while args and args[0].startswith("-"):
@@ -127,24 +132,37 @@ if "SLURM_JOB_ID" not in os.environ:
     raise SystemExit("srun: error: no allocation (run inside the stand-in sbatch)")
 nodes = int(opts.get("nodes", os.environ.get("SLURM_NNODES", "1")))
 per_node = int(opts.get("ntasks-per-node", os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
-if "ntasks" in opts:
-    per_node = max(1, int(opts["ntasks"]) // nodes)
-ntasks = nodes * per_node
+counts = [per_node] * nodes                      # the tasks on each node
+if "ntasks" in opts:                             # SLURM's block distribution: the first nodes take one more
+    n = int(opts["ntasks"])
+    counts = [n // nodes + (node < n % nodes) for node in range(nodes)]
+ntasks = sum(counts)
+if len(set(counts)) == 1:
+    step_counts = f"{counts[0]}(x{nodes})" if nodes > 1 else str(counts[0])
+else:
+    step_counts = ",".join(map(str, counts))
 per_task = opts.get("gpus-per-task", os.environ.get("SLURM_GPUS_PER_TASK"))
 node_gpus = int(os.environ.get("SLURM_GPUS_ON_NODE", "0"))
 commands = []
 for i in range(ntasks):
-    node, local = divmod(i, per_node)
+    node = next(k for k in range(nodes) if i < sum(counts[:k + 1]))
+    local = i - sum(counts[:node])
     env = dict(os.environ)
     env.update(SLURM_STEP_ID="0", SLURM_STEPID="0", SLURM_STEP_NODELIST="localhost", SLURM_STEP_NUM_NODES=str(nodes),
                SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_NTASKS=str(ntasks), SLURM_NPROCS=str(ntasks),
-               SLURM_STEP_TASKS_PER_NODE=f"{per_node}(x{nodes})" if nodes > 1 else str(per_node),
+               SLURM_STEP_TASKS_PER_NODE=step_counts,
                SLURM_PROCID=str(i), SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_TOPOLOGY_ADDR="localhost")
+    owned = 0
     if per_task:
         mine = range(local * int(per_task), (local + 1) * int(per_task))
         env["CUDA_VISIBLE_DEVICES"] = env["SLURM_STEP_GPUS"] = ",".join(map(str, mine))
+        owned = int(per_task)
     elif node_gpus:
         env["CUDA_VISIBLE_DEVICES"] = env["SLURM_STEP_GPUS"] = ",".join(map(str, range(node_gpus)))
+        owned = node_gpus // counts[node]
+    if os.environ.get("STANDIN_DEVICES") == "gpus" and owned:
+        # each task's CPU devices stand for the GPUs it owns (a real GPU task sees those once JAX is given them)
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={owned}"
     commands.append((args, env))
 sys.exit(run_all(commands, kill_on_bad_exit=opts.get("kill-on-bad-exit", "0") != "0"))
 '''

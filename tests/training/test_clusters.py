@@ -232,3 +232,197 @@ def test_local_sh_refuses_a_process_count_below_one(tmp_path, n):
     p = subprocess.run(["bash", "launch/local.sh", n, "--config=configs/multi_pi.py", f"--workdir={workdir}"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and f"N >= 1 processes; got {n}" in p.stderr and not workdir.exists()
+
+
+# ---- every variable read is checked where it is read: one line naming it, not JAX's traceback later ----------
+
+@pytest.mark.parametrize("env, named", [
+    (srun_env(procid=2), "SLURM_PROCID='2': the task's rank must be an integer from 0 to 1"),
+    (srun_env(localid=1), "SLURM_LOCALID='1': the task's rank on its node must be an integer from 0 to 0"),
+    (srun_env(ntasks=3, per_node="2,1", SLURM_NODEID="x"), "SLURM_NODEID='x'"),
+    (srun_env(SLURM_STEP_TASKS_PER_NODE="", SLURM_STEP_NUM_NODES="two"), "SLURM_STEP_NUM_NODES='two'"),
+    (srun_env(JAX_COORDINATOR_PORT="70000"), "JAX_COORDINATOR_PORT='70000': the coordinator's port must be an "
+                                             "integer from 1 to 65535"),
+    (srun_env(JAX_COORDINATOR_ADDRESS="http://gpu003:1234"), "JAX_COORDINATOR_ADDRESS='http://gpu003:1234': must "
+                                                             "be host:port (process 0's host and a free port), not a "
+                                                             "URL: e.g. JAX_COORDINATOR_ADDRESS=gpu003:1234"),
+    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "a"}, "OMPI_COMM_WORLD_LOCAL_SIZE='a'"),
+    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "2",
+      "OMPI_COMM_WORLD_LOCAL_RANK": "0"}, "OMPI_COMM_WORLD_RANK='2': the rank must be an integer from 0 to 1"),
+    ({"JAX_LOCAL_DEVICE_IDS": "0-3"}, "JAX_LOCAL_DEVICE_IDS='0-3': must be local device numbers separated by commas"),
+    ({"JAX_LOCAL_DEVICE_IDS": "0,0"}, "JAX_LOCAL_DEVICE_IDS='0,0': names a device twice"),
+    ({"JAX_PARTITION_INDEX": "first"}, "JAX_PARTITION_INDEX='first'"),
+    ({"JAX_COORDINATOR_BIND_ADDRESS": "[::]"}, "JAX_COORDINATOR_BIND_ADDRESS='[::]': must be host:port"),
+    ({"INFJAX_COORDINATOR": "http://10.0.0.1:1234", "INFJAX_NUM_PROCESSES": "2", "INFJAX_PROCESS_ID": "0"},
+     "INFJAX_COORDINATOR='http://10.0.0.1:1234': must be host:port (process 0's host and a free port), not a URL: "
+     "e.g. INFJAX_COORDINATOR=10.0.0.1:1234"),
+    ({"INFJAX_COORDINATOR": "10.0.0.1:0", "INFJAX_NUM_PROCESSES": "2", "INFJAX_PROCESS_ID": "0"}, "port from 1 to 65535"),
+])
+def test_every_launcher_variable_is_checked_where_it_is_read(env, named):
+    with pytest.raises(ClusterError) as e:
+        clusters.layout(env)
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_values_jax_fails_on_are_the_ones_refused():
+    """The checks match JAX's own reading: JAX_LOCAL_DEVICE_IDS (`int` of each comma-separated entry) and
+    TPU_WORKER_ID (a process id below the number of hosts) fail there exactly where they are refused here."""
+    for ids in ("0-3", "0;1", "0,1", " 2 , 3"):
+        try:
+            [int(x) for x in ids.split(",")]                 # jax/_src/distributed.py
+            jax_fails = False
+        except ValueError:
+            jax_fails = True
+        refused = False
+        try:
+            clusters.layout({"JAX_LOCAL_DEVICE_IDS": ids})
+        except ClusterError:
+            refused = True
+        assert refused == jax_fails, ids
+    hosts = {"TPU_WORKER_HOSTNAMES": "h0,h1"}
+    assert clusters.layout({**hosts, "TPU_WORKER_ID": "1"}, on_tpu_vm=True).distributed
+    with pytest.raises(ClusterError, match=r"TPU_WORKER_ID='5': this worker's index among the 2 hosts of "
+                                           r"TPU_WORKER_HOSTNAMES must be an integer from 0 to 1"):
+        clusters.layout({**hosts, "TPU_WORKER_ID": "5"}, on_tpu_vm=True)
+    assert clusters.layout({"INFJAX_COORDINATOR": "[fd00::1]:1234", "INFJAX_NUM_PROCESSES": "2",
+                            "INFJAX_PROCESS_ID": "1"}).coordinator == "[fd00::1]:1234"
+
+
+@pytest.mark.parametrize("key", ["INFJAX_INIT_TIMEOUT", "INFJAX_PEER_TIMEOUT"])
+def test_timeouts_have_bounds_that_jax_can_take(key):
+    """Above 2**31 s JAX's C++ binding raised a TypeError; a week is the most accepted (JAX is given it plus 120 s,
+    as a C++ int)."""
+    assert distributed._seconds({key: str(distributed.MAX_TIMEOUT_S)}, key, 1) == distributed.MAX_TIMEOUT_S
+    assert distributed.MAX_TIMEOUT_S + 120 < 2**31
+    for text in ("0", str(distributed.MAX_TIMEOUT_S + 1), str(2**31), "1e3", "-5", ""):
+        with pytest.raises(ClusterError, match=f"{key}='{text}': expected a whole number of seconds from 1 to 604800"):
+            distributed._seconds({key: text}, key, 1)
+
+
+@pytest.mark.parametrize("key", ["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"])
+def test_slurm_gpus_without_cuda_visible_devices_are_refused(key):
+    """SLURM allocated GPUs, but a container or wrapper dropped CUDA_VISIBLE_DEVICES: before, the task took one
+    device by its rank ("SLURM lists no GPUs"), or every GPU of the node with one task per node."""
+    for env in (srun_env(gpus=None, **{key: "4,5,6,7"}),                                    # 1 task per node
+                srun_env(ntasks=4, procid=3, localid=1, per_node="2(x2)", gpus=None, **{key: "4,5,6,7"}),
+                {"SLURM_JOB_ID": "77", "SLURM_NTASKS": "1", key: "4,5,6,7"}):              # no srun, 1 task
+        with pytest.raises(ClusterError) as e:
+            clusters.layout(env)
+        assert str(e.value).startswith(f"SLURM allocated GPUs 4,5,6,7 to this task ({key}) but CUDA_VISIBLE_DEVICES "
+                                       "is unset")
+    assert clusters.layout(srun_env(**{key: "4,5,6,7"})).allocated == 8          # CUDA_VISIBLE_DEVICES given: used
+
+
+# ---- one job is one job -----------------------------------------------------------------------------------
+
+EXPLICIT = {"INFJAX_COORDINATOR": "127.0.0.1:1234", "INFJAX_NUM_PROCESSES": "2"}
+
+
+def test_processes_that_are_not_one_job_are_refused_naming_what_differs():
+    lay = clusters.layout({**EXPLICIT, "INFJAX_PROCESS_ID": "0", "INFJAX_LAUNCH_ID": "a"})
+    job = {"config": {"train": {"lr": 0.1, "steps": 2}, "seed": 1}, "workdir": "/runs/a"}
+    mine = distributed.job_identity(lay, job)
+    assert mine == {**job, "launch": "INFJAX_LAUNCH_ID=a", "INFJAX_NUM_PROCESSES": 2}
+    assert distributed.disagreement({0: mine, 1: dict(mine)}, lay) is None
+    other = {**mine, "workdir": "/runs/b", "launch": "INFJAX_LAUNCH_ID=b",
+             "config": {"train": {"lr": 0.2, "steps": 2}, "seed": 1}}
+    line = distributed.disagreement({0: mine, 1: other, 2: mine}, lay)
+    assert line.startswith("the 3 processes that met at the coordinator at 127.0.0.1:1234 are not one job: they "
+                           "differ in launch (process 0, 2: 'INFJAX_LAUNCH_ID=a'; process 1: 'INFJAX_LAUNCH_ID=b'), "
+                           "workdir (process 0, 2: '/runs/a'; process 1: '/runs/b'), config.train.lr (process 0, 2: "
+                           "0.1; process 1: 0.2). Either two jobs share the coordinator's port"), line
+    assert "INFJAX_PORT" in line and "\n" not in line
+    counts = distributed.disagreement({0: mine, 1: {**mine, "INFJAX_NUM_PROCESSES": 3}}, lay)
+    assert "differ in INFJAX_NUM_PROCESSES (process 0: 2; process 1: 3)" in counts
+    slurm = clusters.layout(srun_env(SLURM_STEP_ID="0"))
+    ident = distributed.job_identity(slurm, None)
+    assert ident["launch"] == "SLURM job 4242 step 0" and ident["SLURM_NTASKS"] == 2 and "arguments" in ident
+    assert "jobs whose ids differ by a multiple of 4096" in distributed.disagreement(
+        {0: ident, 1: {**ident, "launch": "SLURM job 8338 step 0"}}, slurm)
+
+
+def test_unequal_device_counts_are_refused_naming_each_process():
+    slurm = clusters.layout(srun_env(ntasks=3, procid=0, localid=0, per_node="2,1"))
+    assert distributed.unequal_devices({0: 4, 1: 4, 2: 4}, slurm) is None
+    line = distributed.unequal_devices({0: 4, 1: 4, 2: 8}, slurm)
+    assert line == ("the processes of this job have unequal device counts (process 0, 1 have 4 device(s) each; "
+                    "process 2 has 8 device(s)); every process takes an equal slice of each batch, so each needs the "
+                    "same number of devices: give the same number of tasks on every node (--ntasks-per-node, not "
+                    "--ntasks alone) and of GPUs per node, or --gpus-per-task")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def claimed():
+    """This process as process 0 of an explicit 2-process job holding a free port's claim; released after."""
+    port = _free_port()
+    lay = clusters.layout({**EXPLICIT, "INFJAX_COORDINATOR": f"127.0.0.1:{port}", "INFJAX_PROCESS_ID": "0",
+                           "INFJAX_LAUNCH_ID": "a"})
+    ident = distributed.job_identity(lay, {"workdir": "/runs/a"})
+    distributed.claim_coordinator_port(lay, ident, {})
+    yield port, ident
+    distributed.release_coordinator_port()
+
+
+def test_a_taken_coordinator_port_is_refused_naming_its_holder(claimed):
+    import os
+    import socket
+
+    port, ident = claimed
+    env = {**EXPLICIT, "INFJAX_COORDINATOR": f"127.0.0.1:{port}"}
+    other = clusters.layout({**env, "INFJAX_PROCESS_ID": "0", "INFJAX_LAUNCH_ID": "b"})
+    holder = distributed._ask_holder(port, {"pid": 1, "process_id": 0, "job": {"workdir": "/runs/b"}})
+    assert holder["pid"] == os.getpid() and holder["job"] == ident and holder["claimed_by"] is None
+    line = distributed._taken(other, port, holder, distributed.job_identity(other, {"workdir": "/runs/b"}))
+    assert line == (f"process 0 of 2: the coordinator port {port} on this host is taken by another job (process "
+                    f"{os.getpid()}, launch INFJAX_LAUNCH_ID=a): give each job its own port in INFJAX_COORDINATOR; "
+                    f"with launch/local.sh, another INFJAX_PORT or none (a free one)")
+    # process 1 of another launch, whose coordinator is this port on this host, refuses before it registers
+    one = clusters.layout({**env, "INFJAX_PROCESS_ID": "1", "INFJAX_LAUNCH_ID": "b"})
+    with pytest.raises(ClusterError, match=rf"process 1 of 2: the coordinator port {port} on this host is held by "
+                                           rf"another job \(process {os.getpid()}, launch INFJAX_LAUNCH_ID=a\)"):
+        distributed.await_own_coordinator(one, distributed.job_identity(one, {"workdir": "/runs/a"}), {}, 5)
+    same = clusters.layout({**env, "INFJAX_PROCESS_ID": "1", "INFJAX_LAUNCH_ID": "a"})
+    distributed.await_own_coordinator(same, distributed.job_identity(same, {"workdir": "/runs/b"}), {}, 5)  # goes on:
+    # one launch's processes with different flags are refused after connecting, all of them alike
+    # a port that something else listens on (no claim): refused by the bind test
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        lay = clusters.layout({**env, "INFJAX_COORDINATOR": f"127.0.0.1:{busy}", "INFJAX_PROCESS_ID": "0"})
+        distributed.release_coordinator_port()
+        with pytest.raises(ClusterError, match=f"process 0 of 2: the coordinator port {busy} is already in use on this "
+                                               "host"):
+            distributed.claim_coordinator_port(lay, ident, {})
+        assert not distributed._claim                              # the claim is given up with the refusal
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("INFJAX_LOCAL_DEVICES", "0", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_LOCAL_DEVICES", "abc", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_LOCAL_DEVICES", "-1", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_PORT", "70000", "the coordinator's port must be a whole number from 1 to 65535"),
+    ("INFJAX_PORT", "http://x:1", "the coordinator's port must be a whole number from 1 to 65535"),
+])
+def test_local_sh_checks_its_variables(tmp_path, key, value, said):
+    """Before: INFJAX_LOCAL_DEVICES=0 crashed XLA with a segfault, abc with its 94-line flag list, -1 with a
+    traceback, in every process."""
+    import os
+    import subprocess
+
+    from tests.helpers.paths import ROOT
+
+    workdir = tmp_path / "run"
+    p = subprocess.run(["bash", "launch/local.sh", "2", "--config=configs/multi_pi.py", f"--workdir={workdir}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, key: value})
+    assert p.returncode == 2 and p.stderr.startswith(f"launch/local.sh: {key}='{value}': {said}")
+    assert p.stderr.count("\n") == 1 and not workdir.exists()

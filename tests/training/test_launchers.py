@@ -200,6 +200,16 @@ def test_what_cannot_start_stops_in_one_line(tmp_path):
         "JAX shows 1 local device(s)" in last
     assert not os.path.exists(os.path.join(workdir, "checkpoints"))
 
+    # SLURM allocated GPUs but a wrapper dropped CUDA_VISIBLE_DEVICES (before: "SLURM lists no GPUs", 1 of 8 each)
+    script = tmp_path / "dropped.sbatch"
+    script.write_text("#!/usr/bin/env bash\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --gpus-per-node=8\n"
+                      "srun env -u CUDA_VISIBLE_DEVICES \"$PYTHON\" -m infjax.train \"$@\"\n")
+    code, out = _run(["sbatch", str(script), *_flags(workdir)], _env(tmp_path, 4))
+    last = _one_line_error(out)
+    print(code, last)
+    assert code == 2 and "ERROR SLURM allocated GPUs 0,1,2,3,4,5,6,7 to this task (SLURM_STEP_GPUS) but " \
+        "CUDA_VISIBLE_DEVICES is unset" in last
+
 
 def test_a_missing_peer_is_waited_for_visibly_then_named(tmp_path):
     """Process 1 of 2 is never started: process 0 says every few seconds how long it has waited, then ends with
@@ -220,3 +230,85 @@ def test_a_missing_peer_is_waited_for_visibly_then_named(tmp_path):
         assert code == 3 and len(waits) >= 2
         assert f"ERROR process {i} of 2 gave up after INFJAX_INIT_TIMEOUT=8 s: " in last
         assert ("process 1 never connected" if i == 0 else f"process 0 never answered at 127.0.0.1:{port}") in last
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _by_hand(tmp_path, workdir, devices=1, **env):
+    """`python -m infjax.train` started as launch/local.sh starts a process, with `env` (explicit variables)."""
+    return subprocess.Popen([sys.executable, "-m", "infjax.train", *_flags(workdir)], cwd=ROOT,
+                            env=_env(tmp_path, devices, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _ends(proc, timeout=120) -> tuple[int, str]:
+    out = proc.communicate(timeout=timeout)[0]
+    return proc.returncode, _one_line_error(out)
+
+
+def test_processes_that_are_not_one_job_refuse_after_connecting(tmp_path):
+    """Two processes meet at one coordinator but were started with another workdir and another process count:
+    both refuse in one line naming both (before: the coordinator's count won and they trained together)."""
+    port = _free_port()
+    explicit = dict(INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_INIT_TIMEOUT="60", INFJAX_LAUNCH_ID="one")
+    procs = [_by_hand(tmp_path, str(tmp_path / "a"), INFJAX_NUM_PROCESSES="2", INFJAX_PROCESS_ID="0", **explicit),
+             _by_hand(tmp_path, str(tmp_path / "b"), INFJAX_NUM_PROCESSES="3", INFJAX_PROCESS_ID="1", **explicit)]
+    ends = [_ends(p) for p in procs]
+    print(*ends, sep="\n")
+    for code, last in ends:
+        assert code == 2 and re.search(
+            rf"ERROR the 2 processes that met at the coordinator at 127\.0\.0\.1:{port} are not one job: they differ "
+            rf"in workdir \(process 0: '{tmp_path}/a'; process 1: '{tmp_path}/b'\), INFJAX_NUM_PROCESSES \(process 0: "
+            r"2; process 1: 3\)\. Either two jobs share", last), last
+
+
+def test_a_taken_coordinator_port_and_a_duplicate_process_id_are_said_at_once(tmp_path):
+    """Job A's process 0 holds port P and waits for its process 1. Job B on P: its process 0 is refused the port,
+    its process 1 refuses to register with A's coordinator (before: each job's processes were handed to either
+    coordinator: two mixed jobs). Then a second process 0 of job A: it and A's process 0 both stop at once,
+    naming each other (before: both waited the whole INFJAX_INIT_TIMEOUT, blaming a missing process 1)."""
+    import time
+
+    port = _free_port()
+    explicit = dict(INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_NUM_PROCESSES="2", INFJAX_INIT_TIMEOUT="120")
+    a0 = _by_hand(tmp_path, str(tmp_path / "a"), INFJAX_PROCESS_ID="0", INFJAX_LAUNCH_ID="job-a", **explicit)
+    b = [_by_hand(tmp_path, str(tmp_path / "b"), INFJAX_PROCESS_ID=str(i), INFJAX_LAUNCH_ID="job-b", **explicit)
+         for i in range(2)]
+    start = time.time()
+    ends = [_ends(p) for p in b]
+    print(*ends, sep="\n")
+    assert time.time() - start < 60 and a0.poll() is None          # job A's process 0 still waits for its process 1
+    assert ends[0][0] == 2 and f"ERROR process 0 of 2: the coordinator port {port} on this host is taken by another " \
+        f"job (process {a0.pid}, launch INFJAX_LAUNCH_ID=job-a): give each job its own port" in ends[0][1]
+    assert ends[1][0] == 2 and f"ERROR process 1 of 2: the coordinator port {port} on this host is held by another " \
+        f"job (process {a0.pid}, launch INFJAX_LAUNCH_ID=job-a), not by this job's process 0" in ends[1][1]
+    twin = _by_hand(tmp_path, str(tmp_path / "a"), INFJAX_PROCESS_ID="0", INFJAX_LAUNCH_ID="job-a", **explicit)
+    ends = [_ends(twin), _ends(a0)]
+    print(*ends, sep="\n")
+    assert ends[0][0] == 2 and f"ERROR process 0 of 2: process {a0.pid} on this host was also started as process 0 " \
+        "of this job and holds its coordinator port" in ends[0][1]
+    assert ends[1][0] == 2 and f"ERROR process 0 of 2: process {twin.pid} on this host was also started as process " \
+        "0 of this job (and was refused the coordinator port" in ends[1][1]
+    assert time.time() - start < 100
+
+
+def test_unequal_device_counts_are_refused_in_one_line(tmp_path):
+    """srun -n 3 on 2 nodes of 8 GPUs: two tasks share node 0 (4 GPUs each), one has node 1 (8). Before: a
+    20-frame traceback in every process (cannot reshape array of size 16 into shape (3,8))."""
+    script = tmp_path / "three.sbatch"
+    script.write_text("#!/usr/bin/env bash\n#SBATCH --nodes=2\n#SBATCH --gpus-per-node=8\n"
+                      "srun -n 3 --kill-on-bad-exit=1 \"$PYTHON\" -m infjax.train \"$@\"\n")
+    code, out = _run(["sbatch", str(script), *_flags(str(tmp_path / "run"))], _env(tmp_path, 1, STANDIN_DEVICES="gpus"))
+    last = _one_line_error(out)
+    print(code, last)
+    assert code == 2 and last.endswith(
+        "ERROR the processes of this job have unequal device counts (process 0, 1 have 4 device(s) each; process 2 "
+        "has 8 device(s)); every process takes an equal slice of each batch, so each needs the same number of "
+        "devices: give the same number of tasks on every node (--ntasks-per-node, not --ntasks alone) and of GPUs "
+        "per node, or --gpus-per-task"), out[-3000:]

