@@ -56,16 +56,21 @@ def _local_env(n: int) -> dict[str, str]:
     return env
 
 
+def _this_launch(log: str) -> str:
+    """The part of a process log that the latest launch wrote (launch/local.sh appends after a header line)."""
+    return re.split(r"^==== .* launch/local\.sh: process .*$", log, flags=re.MULTILINE)[-1]
+
+
 def _launch(n: int, *args: str, logdir: str | None = None, timeout: int = 900) -> dict[int, str]:
-    """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: log} (asserts exit 0).
-    The logs are in the --workdir, or in `logdir` (INFJAX_LOG_DIR) for modules without one."""
+    """launch/local.sh n ARGS with 4 CPU devices per process; returns {process: what this launch logged} (asserts
+    exit 0). The logs are in the --workdir, or in `logdir` (INFJAX_LOG_DIR) for modules without one."""
     env = _local_env(n)
     if logdir is not None:
         env["INFJAX_LOG_DIR"] = logdir
     logdir = logdir or next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
     proc = subprocess.run(["bash", "launch/local.sh", str(n), *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
-    logs = {i: open(os.path.join(logdir, f"process_{i}.log")).read() for i in range(n)
+    logs = {i: _this_launch(open(os.path.join(logdir, f"process_{i}.log")).read()) for i in range(n)
             if os.path.exists(os.path.join(logdir, f"process_{i}.log"))}
     assert proc.returncode == 0, proc.stderr + "\n".join(f"--- process {i}\n{v[-4000:]}" for i, v in logs.items())
     return logs
