@@ -345,8 +345,10 @@ def test_cpu_calls_are_cache_sized_and_accelerator_calls_scale_with_the_batch():
     assert embedders.tokens_per_call(256, GpuMesh()) == 256 * 128
 
 
-def test_packed_text_embedder_equals_padded_on_8_devices():
-    """Corpus encoding, packed over a data=8 mesh == padded (the tiny BERT); more texts than one call holds."""
+def test_packed_text_embedder_equals_padded_on_8_devices(monkeypatch):
+    """Corpus encoding, packed over a data=8 mesh == padded (the tiny BERT); more texts than one call holds; and
+    the same in chunks of 100 texts (tokenized 7 at a time), no chunk tokenizing more."""
+    from infjax.data import tokenize
     from infjax.data.tokenize import Tokenizer
     from infjax.inference.embedders import TextEmbedder
     from infjax.models.encoder import load_encoder
@@ -365,6 +367,13 @@ def test_packed_text_embedder_equals_padded_on_8_devices():
     assert len(packed.calls(tok.tokens(texts, 64), 64)) > 3
     assert packed.stats["real_tokens"] == sum(len(t) for t in tok.tokens(texts, 64))
     np.testing.assert_allclose(out, ref, atol=1e-5)
+    chunked = TextEmbedder(encoder, mesh, tok, batch_size=8)
+    chunked.chunk_texts = 100
+    monkeypatch.setattr(tokenize, "CHUNK", 7)
+    seen = []
+    monkeypatch.setattr(tok, "tokens", lambda texts, n, f=tok.tokens: seen.append(len(texts)) or f(texts, n))
+    np.testing.assert_allclose(chunked(params, texts, 64), ref, atol=1e-5)
+    assert seen == [100, 51] and chunked.stats["real_tokens"] == packed.stats["real_tokens"]
 
 
 def _unpacked(packed):
