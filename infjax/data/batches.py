@@ -244,7 +244,8 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     MEASURED_STEPS): per side a
     row length and up to `max_shapes` sets of row counts per batch shard (or per chunk of one under gradient
     caching), each measured step in its cheapest set. A step not measured is fitted when it is built
-    (``packing.Shapes.fit``), growing the shapes if none holds it.
+    (``packing.Shapes.fit``), growing the shapes if none holds it; when the steps are sampled, the set of the most
+    rows has one row more per measured side than the sample needs, so that few steps do.
 
     The row length is the side's configured pack length, else the one of least cost over the first steps
     (``packing.choose_length``: a multiple of 32 from the longest text of the side over the measured steps;
@@ -289,6 +290,11 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     needs = np.stack(needs, axis=1).reshape(len(measured), len(sides))
     costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
+    most = needs.max(axis=0)
+    if len(measured) < len(steps):        # a sample: the shape of the most rows gets a row more per measured side,
+        bump = np.array([side not in fixed_rows for side in sides], most.dtype)    # so that a step a little above
+        shapes = np.where(np.all(shapes == most, axis=1)[:, None], shapes + bump, shapes)   # the sample's most
+        most = most + bump                                                          # does not compile anew
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
-    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)), texts,
+    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(most), texts,
                           measured, span, multiple)
