@@ -291,10 +291,13 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
     most = needs.max(axis=0)
-    if len(measured) < len(steps):        # a sample: the shape of the most rows gets a row more per measured side,
-        bump = np.array([side not in fixed_rows for side in sides], most.dtype)    # so that a step a little above
-        shapes = np.where(np.all(shapes == most, axis=1)[:, None], shapes + bump, shapes)   # the sample's most
-        most = most + bump                                                          # does not compile anew
+    if len(measured) < len(steps):        # a sample: the shape of the most rows gets a row more per measured side
+        # (never more rows than a shard's texts), so that a step a little above the sample's most compiles no more
+        bound = [len(per_step[side][0]) // shards // (build.chunks or {}).get(side, 1) if side not in fixed_rows
+                 else fixed_rows[side] for side in sides]
+        bump = np.minimum(most + np.array([side not in fixed_rows for side in sides]), bound) - most
+        shapes = np.where(np.all(shapes == most, axis=1)[:, None], shapes + bump, shapes)
+        most = most + bump
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
     return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(most), texts,
                           measured, span, multiple)
