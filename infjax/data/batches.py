@@ -9,10 +9,12 @@ A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
 arrays, `{"q": {"ids", "mask", "text", "first", "last", "segments"}, ...}`, one packing
 per batch shard, or per gradient-caching chunk of one, see data/packing.py).
-Packed buffers have fixed shapes, measured once over every step of the run
-before the first (`measure_shapes`): per side a row length, the most texts a
-row holds (rounded up to a power of two), and a few sets of row counts, each step
-packed into the cheapest set that holds it (one compiled train step per set).
+Packed buffers have fixed shapes, measured once before the first step over
+every step of the run, or a sample of 512 spread over a longer one
+(`measure_shapes`): per side a row length, the most texts a row holds (rounded
+up to a power of two), and a few sets of row counts, each step packed into the
+cheapest set that holds it (one compiled train step per set). A step outside
+the sample is fitted as it is built, the shapes growing if none holds it.
 """
 from __future__ import annotations
 

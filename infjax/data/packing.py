@@ -13,7 +13,7 @@ input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
 
 ``segments`` carries M, the most texts a row may hold, in its shape: a static bound that the attention
 kernels which keep per-text state (cuDNN's packed attention keeps [rows * M, heads, length] softmax
-statistics) are traced with. M is measured with the row counts over every step of a run (`Shapes.texts`)
+statistics) are traced with. M is measured with the row counts over the measured steps of a run (`Shapes.texts`)
 and rounded up to a power of two, at least 2 (`segment_bound`); a row never holds more.
 
 ``text``, ``first`` and ``last`` are in the shard's text order, so pooling
