@@ -428,10 +428,10 @@ def test_a_step_not_measured_takes_the_cheapest_shape_that_holds_it_else_the_sha
 
 def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agree(monkeypatch, caplog):
     """A run measured over a sample of its steps: every step, measured or not, packs all its texts unchanged into
-    its shape's rows (the widest a row more than the sample needs, at most a row a text), and that shape is the cheapest that holds
-    the step's first-fit rows; shapes that hold no step are grown, once each, with one line; two processes
-    (4 shards each) build the halves of the batch that one process (8 shards) builds, so all processes choose
-    and grow alike."""
+    its shape's rows (the widest a row more than the sample needs, at most a row a text), and that shape is the
+    cheapest that holds the step's first-fit rows; shapes that hold no step are grown, once each, with one
+    line; two processes (4 shards each) build the halves of the batch that one process (8 shards) builds, so
+    all processes choose and grow alike."""
     import collections
     import dataclasses
     import logging
