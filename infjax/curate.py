@@ -37,7 +37,10 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("input", None, "A BEIR folder, a .jsonl of {query, passage} objects, or a hub dataset id.", flag_values=fv)
     flags.DEFINE_string("input_split", None, "BEIR qrels split (default test or the only one) / hub split (train).", flag_values=fv)
     flags.DEFINE_string("out", None, "Output folder (stage files, curated.jsonl/.parquet, report.json).", flag_values=fv)
-    flags.DEFINE_integer("limit", 0, "Curate this many pairs, drawn with --seed (0 = all).", flag_values=fv)
+    flags.DEFINE_integer("limit", 0, "Curate this many pairs, drawn with --seed (0 = all). It limits the pairs "
+                                     "only: the collection (every passage of the input), which --negatives=retrieve "
+                                     "encodes whole and searches and the judge's distractors come from, is read in "
+                                     "full whatever the limit.", flag_values=fv)
     flags.DEFINE_integer("seed", 0, "Selection of the pairs, distractors and their order, sampling seeds.", flag_values=fv)
     flags.DEFINE_string("stages", "all", "Comma-separated stages to run now: instruct,poison,negatives,verify.", flag_values=fv)
     flags.DEFINE_string("backend", "openai", "openai (an OpenAI-compatible endpoint) | local (infjax's decoder).", flag_values=fv)
@@ -150,7 +153,8 @@ def run(f: flags.FlagValues) -> dict:
         generator = judge = local.LocalBackend.load(f.local_model, cache, cache_root=f.local_cache,
                                                     batch_size=f.local_batch)
         chunk = f.chunk_size or f.local_batch
-    retriever = Retriever(f.embedder, collection) if f.negatives == "retrieve" and "negatives" in run_stages else None
+    retriever = (Retriever(f.embedder, collection, index_dir=f.out)
+                 if f.negatives == "retrieve" and "negatives" in run_stages else None)
     ctx = stages_lib.Context(s, generator, judge, collection, retriever)
     progress = lambda stage, done, total: log.info("%s: %d / %d", stage, done, total)
     report = pipeline.run(ctx, f.out, run_stages=run_stages, chunk_size=chunk, progress=progress)

@@ -9,14 +9,18 @@ A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
 arrays, `{"q": {"ids", "mask", "text", "first", "last", "segments"}, ...}`, one packing
 per batch shard, or per gradient-caching chunk of one, see data/packing.py).
-Packed buffers have fixed shapes, measured once over every step of the run
-before the first (`measure_shapes`): per side a row length, the most texts a
-row holds (rounded up to a power of two), and a few sets of row counts, each step
-packed into the cheapest set that holds it (one compiled train step per set).
+Packed buffers have fixed shapes, measured once before the first step over
+every step of the run, or a sample of 512 spread over a longer one
+(`measure_shapes`): per side a row length, the most texts a row holds (rounded
+up to a power of two), and a few sets of row counts, each step packed into the
+cheapest set that holds it (one compiled train step per set). A step outside
+the sample is fitted as it is built, the shapes growing if none holds it.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 
 import numpy as np
 
@@ -24,6 +28,8 @@ from infjax.data import packing
 from infjax.data.inf_ir import flatten_record, flatten_record_no_hard_negatives
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
+
+log = logging.getLogger("infjax.data")
 
 
 def rows_per_record(hard_negatives: bool) -> int:
@@ -55,9 +61,17 @@ class BatchPlan:
 
     def record_indices(self, step: int) -> np.ndarray:
         pos = self.position(step)
-        order = np.random.default_rng([self.seed, pos["epoch"]]).permutation(self.num_records)
+        order = _epoch_order(self.seed, pos["epoch"], self.num_records)
         start = pos["offset"] * self.batch_size
         return order[start:start + self.batch_size]
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(seed: int, epoch: int, num_records: int) -> np.ndarray:
+    """The record order of an epoch, drawn once (not at every step: a permutation of every record)."""
+    order = np.random.default_rng([seed, epoch]).permutation(num_records)
+    order.flags.writeable = False
+    return order
 
 
 class InstructionNegativeSampler:
@@ -111,6 +125,7 @@ class BatchBuilder:
     capacity_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (error messages)
     pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
     chunks: dict[str, int] | None = None          # side -> gradient-caching chunks, each packed apart (None: off)
+    fixed_sides: tuple[str, ...] = ()             # sides whose rows the config fixes (never fitted nor grown)
 
     @property
     def global_rows(self) -> int:
@@ -157,11 +172,13 @@ class BatchBuilder:
         texts, groups = self.side_texts(step)
         if self.capacities is not None:
             capacities = self.shapes.at(step) if self.shapes is not None else self.capacities
+            tokens = {side: self.tokenizer.tokens(t, self.max_len(side)) for side, t in texts.items()}
+            if capacities is None:               # a step the shapes were not measured over: fitted now
+                capacities = self._fit(step, tokens)
             batch = {}
-            for side, t in texts.items():
+            for side, t in tokens.items():
                 try:
-                    batch[side] = packing.pack(self.tokenizer.tokens(t, self.max_len(side)), self.shards,
-                                               capacities[side], self.tokenizer.pad_id,
+                    batch[side] = packing.pack(t, self.shards, capacities[side], self.tokenizer.pad_id,
                                                f"step {step}, side {side!r}", (self.chunks or {}).get(side))
                 except packing.PackingOverflow as e:
                     key = (self.capacity_keys or {}).get(side, "the packing capacity")
@@ -177,6 +194,23 @@ class BatchBuilder:
             batch["i_group"] = groups
         return batch
 
+    def _fit(self, step: int, local_tokens: dict[str, list[np.ndarray]]) -> dict[str, packing.Capacity]:
+        """The capacities of a step that was not measured, from the token counts of its whole global batch (every
+        process counts the same texts, so all choose, and grow, alike); a shape that grows is logged once."""
+        if self.process_count == 1:
+            counts = {side: [len(t) for t in tokens] for side, tokens in local_tokens.items()}
+        else:
+            texts, _ = self.side_texts(step, local=False)
+            counts = {side: [len(t) for t in self.tokenizer.tokens(t, self.max_len(side))]
+                      for side, t in texts.items()}
+        counts = {side: c for side, c in counts.items() if side not in (self.fixed_sides or ())}
+        shapes, capacities, note = self.shapes.fit(counts, self.shards * self.process_count, self.chunks)
+        if note is not None:
+            log.warning("packing: step %d does not fit the shapes measured over %d sampled steps: %s (compiled "
+                        "once more)", step, len(self.shapes.measured()), note)
+            self.shapes, self.capacities = shapes, shapes.capacities(shapes.largest)
+        return capacities
+
 
 def real_tokens(batch: dict) -> int:
     """The real (not padding) tokens of a batch as `BatchBuilder` returns it, padded or packed: the non-zero
@@ -190,23 +224,46 @@ def real_tokens(batch: dict) -> int:
     return total
 
 
+# Steps over which the packed shapes are measured at most: a run of more is measured over this many spread evenly
+# over it (each further step is fitted when it is built, BatchBuilder._fit), so the time before the first step
+# and the memory the measurement takes do not grow with the data.
+MEASURED_STEPS = 512
+
+
+def sampled_steps(steps: range, most: int) -> np.ndarray:
+    """Every step of `steps` if there are at most `most`, else `most` of them spread evenly from the first to
+    the last (a pure function of the range, so every process measures the same steps)."""
+    if len(steps) <= most:
+        return np.array(steps, np.int64)
+    return np.unique(np.asarray(steps, np.int64)[np.linspace(0, len(steps) - 1, most).round().astype(np.int64)])
+
+
 def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: int = 1,
                    fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0,
-                   span: float = packing.ATTENTION_SPAN, multiple: int = packing.LENGTH_STEP) -> packing.Shapes:
-    """The packed shapes of the steps listed: per side a row length and up to `max_shapes` sets of row
-    counts per batch shard (or per chunk of one under gradient caching), each step in its cheapest set.
+                   span: float = packing.ATTENTION_SPAN, multiple: int = packing.LENGTH_STEP,
+                   most: int | None = None) -> packing.Shapes:
+    """The packed shapes of the steps listed, measured over `sampled_steps` of them (at most `most`, default
+    MEASURED_STEPS): per side a
+    row length and up to `max_shapes` sets of row counts per batch shard (or per chunk of one under gradient
+    caching), each measured step in its cheapest set. A step not measured is fitted when it is built
+    (``packing.Shapes.fit``), growing the shapes if none holds it; when the steps are sampled, the set of the most
+    rows has one row more per measured side than the sample needs, so that few steps do.
 
     The row length is the side's configured pack length, else the one of least cost over the first steps
-    (``packing.choose_length``: a multiple of 32 from the longest text of the side over all steps; `span`:
-    the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of for
-    the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
+    (``packing.choose_length``: a multiple of 32 from the longest text of the side over the measured steps;
+    `span`: the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of
+    for the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
     measured: those sides keep those rows in every shape. Every process measures the global batches, so all
     agree on the shapes. Texts are tokenized once each.
     """
     fixed_rows = fixed_rows or {}
+    measured = sampled_steps(steps, most or MEASURED_STEPS)
+    if len(measured) < len(steps):
+        log.info("packing: measuring the packed shapes over %d of the run's %d steps (the others are fitted as "
+                 "they are built)", len(measured), len(steps))
     lengths_of: dict[tuple[str, str], int] = {}
     per_step: dict[str, list[list[int]]] = {}
-    for step in steps:
+    for step in measured.tolist():
         texts, _ = build.side_texts(step, local=False)
         if set(texts) <= set(fixed_rows):          # every side's rows are fixed: nothing to measure
             per_step = {side: [] for side in texts}
@@ -226,14 +283,23 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
         configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
         if side in fixed_rows:
             lengths[side] = build.pack_length(side)
-            needs.append(np.full(len(steps), fixed_rows[side]))     # (nothing measured: all steps alike)
+            needs.append(np.full(len(measured), fixed_rows[side]))     # (nothing measured: all steps alike)
             continue
         lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span, multiple)
         fills = [packing.capacity_for([step], shards, lengths[side], chunks) for step in per_step[side]]
         needs.append(np.array([c.rows for c in fills]))
         texts[side] = packing.segment_bound(max(c.texts for c in fills))
-    needs = np.stack(needs, axis=1).reshape(len(steps), len(sides))
+    needs = np.stack(needs, axis=1).reshape(len(measured), len(sides))
     costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
+    most = needs.max(axis=0)
+    if len(measured) < len(steps):        # a sample: the shape of the most rows gets a row more per measured side
+        # (never more rows than a shard's texts), so that a step a little above the sample's most compiles no more
+        bound = [len(per_step[side][0]) // shards // (build.chunks or {}).get(side, 1) if side not in fixed_rows
+                 else fixed_rows[side] for side in sides]
+        bump = np.minimum(most + np.array([side not in fixed_rows for side in sides]), bound) - most
+        shapes = np.where(np.all(shapes == most, axis=1)[:, None], shapes + bump, shapes)
+        most = most + bump
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
-    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(needs.max(axis=0)), texts)
+    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(most), texts,
+                          measured, span, multiple)

@@ -40,6 +40,7 @@ import os
 import re
 import sys
 import tempfile
+import time
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -702,6 +703,8 @@ def load_inf_ir(
         _check_field_map(field_map)
     source = os.fspath(source)
 
+    started = time.perf_counter()
+    logger.info("reading the training data %s (split %s)", source, split)
     dataset = _open_source(source, split)
     columns = list(dataset.column_names)
     resolved = resolve_field_map(field_map, columns)
@@ -713,6 +716,8 @@ def load_inf_ir(
     records, _ = clean_records(
         _iter_rows(dataset, needed), split=split, field_map=resolved, on_bad_row=on_bad_row, token_keys=token_keys
     )
+    logger.info("%d records of %s (split %s) read and checked in %.1f s", len(records), source, split,
+                time.perf_counter() - started)
     return records
 
 

@@ -13,7 +13,7 @@ input of ``S`` shards holding ``n`` texts each is a dict of int32 arrays::
 
 ``segments`` carries M, the most texts a row may hold, in its shape: a static bound that the attention
 kernels which keep per-text state (cuDNN's packed attention keeps [rows * M, heads, length] softmax
-statistics) are traced with. M is measured with the row counts over every step of a run (`Shapes.texts`)
+statistics) are traced with. M is measured with the row counts over the measured steps of a run (`Shapes.texts`)
 and rounded up to a power of two, at least 2 (`segment_bound`); a row never holds more.
 
 ``text``, ``first`` and ``last`` are in the shard's text order, so pooling
@@ -204,23 +204,78 @@ def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunk
 @dataclasses.dataclass(frozen=True)
 class Shapes:
     """The packed shapes of a run: per side a row length, a few row counts per side (each set of counts is
-    one shape, i.e. one compiled train step), and the shape each step uses (`of_step`, its index into
-    `rows`). `largest` holds every step; steps past those measured take it."""
+    one shape, i.e. one compiled train step), the steps they were measured over (`steps`, ascending) and the
+    shape each of those uses (`of_step`, its index into `rows`). `largest` holds every measured step.
+
+    A step that was not measured is fitted when it is built (`fit`): its rows per side counted at the row
+    lengths and at most `texts` texts a row, then the cheapest shape that holds it; one that no shape holds
+    adds a shape (`grown`), so nothing is cut or dropped whatever the sample missed."""
 
     lengths: dict[str, int]
     rows: tuple[dict[str, int], ...]
     of_step: np.ndarray
     largest: dict[str, int]
     texts: dict[str, int] | None = None     # side -> M, the most texts a row holds (segment_bound; None: unbounded)
+    steps: np.ndarray | None = None         # the measured steps, ascending (None: 0 .. len(of_step) - 1)
+    span: float = ATTENTION_SPAN            # row_cost's span: which shape is cheapest
+    multiple: int = LENGTH_STEP             # what a row length grown at run time is a multiple of
 
     def capacities(self, rows: dict[str, int]) -> dict[str, Capacity]:
         return {side: Capacity(n, self.lengths[side], (self.texts or {}).get(side)) for side, n in rows.items()}
 
-    def at(self, step: int) -> dict[str, Capacity]:
-        """Capacities per side of the shape of `step`."""
-        if 0 <= step < len(self.of_step):
-            return self.capacities(self.rows[int(self.of_step[step])])
-        return self.capacities(self.largest)
+    def measured(self) -> np.ndarray:
+        return np.arange(len(self.of_step)) if self.steps is None else self.steps
+
+    def at(self, step: int) -> dict[str, Capacity] | None:
+        """Capacities per side of the shape of `step`; None for a step not measured (see `fit`)."""
+        steps = self.measured()
+        i = int(np.searchsorted(steps, step))
+        if i < len(steps) and steps[i] == step:
+            return self.capacities(self.rows[int(self.of_step[i])])
+        return None
+
+    def first_step_of(self, shape: int) -> int:
+        """A measured step packed in `shape` (the first such; step 0 if none)."""
+        hits = np.flatnonzero(self.of_step == shape)
+        return int(self.measured()[hits[0]]) if len(hits) else 0
+
+    def cost(self, rows: dict[str, int]) -> float:
+        return sum(n * row_cost(self.lengths[side], self.span) for side, n in rows.items())
+
+    def fit(self, lengths: dict[str, Sequence[int]], shards: int, chunks: dict[str, int] | None = None
+            ) -> tuple[Shapes, dict[str, Capacity], str | None]:
+        """The shape of a batch whose texts (per side, their token counts in row order over all processes)
+        were not measured: (shapes, capacities, note). Sides missing from `lengths` keep their rows (fixed by
+        the config). A side's text longer than its row length lengthens that side's rows (to the least
+        candidate length that holds it), every shape then compiling anew; rows beyond every shape add a
+        shape that holds them and every earlier one. `note` says what grew (None: nothing did); the shapes
+        returned replace these, and no step is measured any more where a row length grew."""
+        grown_lengths = dict(self.lengths)
+        for side, counts in lengths.items():
+            longest = max(counts, default=0)
+            if longest > grown_lengths[side]:
+                grown_lengths[side] = candidate_lengths(longest, self.multiple)[0]
+        need = {}
+        for side, counts in lengths.items():
+            limit = (self.texts or {}).get(side)
+            need[side] = max(len(first_fit([counts[i] for i in members], grown_lengths[side], limit))
+                             for shard in groups(len(counts), shards, (chunks or {}).get(side, 1)) for members in shard)
+        shapes, notes = self, []
+        if grown_lengths != self.lengths:
+            changed = {s: (self.lengths[s], n) for s, n in grown_lengths.items() if n != self.lengths[s]}
+            notes.append("row length " + ", ".join(f"{s} {a} -> {b} tokens" for s, (a, b) in changed.items()))
+            shapes = dataclasses.replace(self, lengths=grown_lengths, steps=np.zeros(0, np.int64),
+                                         of_step=np.zeros(0, np.int32))
+        holding = [r for r in shapes.rows if all(r[side] >= n for side, n in need.items())]
+        if holding:
+            rows = min(holding, key=shapes.cost)          # the first of equal cost (rows are widest first)
+        else:
+            rows = {side: max(n, need.get(side, 0)) for side, n in shapes.largest.items()}
+            notes.append("rows " + ", ".join(f"{s} {shapes.largest[s]} -> {n}" for s, n in rows.items()
+                                              if n != shapes.largest[s]) + " (a further shape)")
+            shapes = dataclasses.replace(shapes, rows=(rows,) + shapes.rows, largest=rows,
+                                         of_step=shapes.of_step + 1)
+        return shapes, shapes.capacities(rows), "; ".join(notes) or None
 
 
 def choose_shapes(needs: np.ndarray, row_costs: np.ndarray, count: int, min_gain: float = 0.0

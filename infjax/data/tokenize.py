@@ -42,6 +42,11 @@ def validate_template(template: str, key: str = "data.query_template") -> None:
                          f"found {sorted(names)}")
 
 
+# Texts tokenized in one call of the Hugging Face tokenizer at most (`Tokenizer.tokens`, `lengths`, `token_keys`):
+# its encodings hold each token's string and offsets besides the ids, tens of times the ids' memory.
+CHUNK = 4096
+
+
 class Tokenizer:
     """A Hugging Face tokenizer that always returns [N, max_len] int32 ids and mask."""
 
@@ -67,27 +72,26 @@ class Tokenizer:
     def pad_id(self) -> int:
         return int(self._tok.pad_token_id)
 
+    def _ids(self, texts: list[str], **kwargs):
+        """The tokenizer's input_ids of `texts`, CHUNK texts at a time: its per-text encodings (tokens, offsets,
+        masks) of one chunk at most are alive at once, whatever the number of texts."""
+        for start in range(0, len(texts), CHUNK):
+            yield from self._tok(list(texts[start:start + CHUNK]), **kwargs)["input_ids"]
+
     def tokens(self, texts: list[str], max_len: int) -> list[np.ndarray]:
         """Token ids of each text without padding, cut at max_len exactly as `__call__` cuts them."""
-        if not texts:
-            return []
-        out = self._tok(list(texts), truncation=True, max_length=max_len)["input_ids"]
-        return [np.asarray(ids, np.int32) for ids in out]
+        return [np.asarray(ids, np.int32) for ids in self._ids(texts, truncation=True, max_length=max_len)]
 
     def lengths(self, texts: list[str]) -> list[int]:
         """Token counts of each text uncut (special tokens included): what `max_len` cuts is the excess."""
-        if not texts:
-            return []
-        return [len(ids) for ids in self._tok(list(texts), truncation=False, verbose=False)["input_ids"]]
+        return [len(ids) for ids in self._ids(texts, truncation=False, verbose=False)]
 
     def token_keys(self, texts: list[str]) -> list[bytes]:
         """One key per text, a digest of its token ids (uncut, without special tokens): texts with equal keys are
         one input to the model, however their characters differ (case and accents for an uncased vocabulary,
         spacing, invisible characters)."""
-        if not texts:
-            return []
-        ids = self._tok(list(texts), add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
-        return [hashlib.blake2b(np.asarray(i, np.int64).tobytes(), digest_size=16).digest() for i in ids]
+        return [hashlib.blake2b(np.asarray(i, np.int64).tobytes(), digest_size=16).digest()
+                for i in self._ids(texts, add_special_tokens=False, truncation=False, verbose=False)]
 
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -5,14 +5,14 @@ queries under Interaction I); `CrossAttentionQueryEmbedder` encodes the
 instruction and the query apart and combines them with the interaction head
 (Interaction II), as in training.
 
-Packed (the default): all texts are tokenized first, then placed best fit by
+Packed (the default): texts are tokenized CHUNK_TEXTS at a time, each chunk placed best fit by
 decreasing length into rows of a few static widths (powers of two from 32 up
 to max_len): a long text opens a row of its own size and short texts fill the
 gaps, so almost no token is padding and attention spans stay short. Each
 encoder call takes a fixed number of rows of one width (`tokens_per_call`:
 about `batch_size` x 128 tokens on accelerators, 1,024 per device on CPU),
 one compiled shape per width; the empty rows of a width's last
-call take narrower rows side by side, and only the corpus's last call is
+call take narrower rows side by side, and only a chunk's last call is
 shorter (data.packing.plan_calls). Padded (packed=False): texts sorted
 by length, each batch padded to the smallest bucket that holds its longest
 text. Results come back in the input order either way.
@@ -71,6 +71,9 @@ def _rows_split(encoder: Encoder, mesh: Mesh) -> Encoder:
 
 
 TOKENS_PER_CALL = 128          # x batch_size: tokens of one packed encoder call
+# Texts tokenized and placed at once by a packed embedder: its host memory is bounded by a chunk, not the corpus
+# (a chunk's last call per width is the only one it leaves partly empty: a few calls per 16k texts).
+CHUNK_TEXTS = 16384
 
 
 def tokens_per_call(batch_size: int, mesh: Mesh) -> int:
@@ -90,6 +93,9 @@ class TextEmbedder:
         self.tokenizer, self.mesh, self.bucketed, self.packed = tokenizer, mesh, bucketed, packed
         self.shards = batch_shards(mesh)
         self.stats = {"real_tokens": 0, "buffer_tokens": 0, "host_s": 0.0}
+        self.chunk_texts = CHUNK_TEXTS
+        self._slots: dict[tuple[int, int], int] = {}         # call shape -> the most text slots a chunk gave it
+        self._segments: dict[tuple[int, int], int] = {}      # ... and segment slots
         self._rows = batch_sharding(mesh)
         self.left_padded = getattr(encoder, "padding_side", "right") == "left"
         try:
@@ -178,21 +184,28 @@ class TextEmbedder:
         return [(width, rows, slots[width, len(rows)], segments[width, len(rows)]) for width, rows in planned]
 
     def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None) -> np.ndarray:
-        t0 = time.perf_counter()
-        tokens = self.tokenizer.tokens(texts, max_len)
-        calls = self.calls(tokens, max_len)
-        self.stats["host_s"] += time.perf_counter() - t0
+        """Packed encoding, `chunk_texts` texts at a time (tokenized, placed and encoded before the next chunk is
+        tokenized: the host holds one chunk's tokens whatever the number of texts). A call shape keeps the most
+        text and segment slots any chunk gave it, so later chunks reuse its compiled program."""
 
         def jobs():
-            for width, rows, slots, segments in calls:
+            for lo in range(0, len(texts), self.chunk_texts):
                 t0 = time.perf_counter()
-                arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots, self.tokenizer.pad_id,
-                                                   segments)
-                self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
-                self.stats["buffer_tokens"] += arrays["mask"].size
-                inputs = put(arrays, self._rows)                   # each process: its devices' shards
+                tokens = self.tokenizer.tokens(texts[lo:lo + self.chunk_texts], max_len)
+                calls = self.calls(tokens, max_len)
                 self.stats["host_s"] += time.perf_counter() - t0
-                yield self._packed_fn(params, inputs), owners
+                for width, rows, slots, segments in calls:
+                    t0 = time.perf_counter()
+                    key = (width, len(rows))
+                    slots = self._slots[key] = max(self._slots.get(key, 0), slots)
+                    segments = self._segments[key] = max(self._segments.get(key, 0), segments)
+                    arrays, owners = packing.pack_rows(tokens, rows, self.shards, width, slots,
+                                                       self.tokenizer.pad_id, segments)
+                    self.stats["real_tokens"] += int((arrays["mask"] > 0).sum())
+                    self.stats["buffer_tokens"] += arrays["mask"].size
+                    inputs = put(arrays, self._rows)                   # each process: its devices' shards
+                    self.stats["host_s"] += time.perf_counter() - t0
+                    yield self._packed_fn(params, inputs), np.where(owners >= 0, owners + lo, -1)
 
         return self._pipeline(jobs(), len(texts), progress)
 

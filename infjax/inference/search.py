@@ -57,6 +57,44 @@ def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callabl
                    out_shardings=(repl, repl), donate_argnums=(4, 5))
 
 
+class RowFile:
+    """Float32 rows [N, d] appended to a file and read back by slices (`rows[a:b]`), as `search` reads a corpus:
+    no memory map, so only the rows of the slice read are held, however many the file has."""
+
+    def __init__(self, path: str, dim: int):
+        self.path, self.dim, self.rows = path, dim, 0
+        open(path, "wb").close()
+
+    def append(self, rows: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, np.float32)
+        if rows.ndim != 2 or rows.shape[1] != self.dim:
+            raise ValueError(f"RowFile: rows {rows.shape} must be [n, {self.dim}]")
+        with open(self.path, "ab") as f:
+            f.write(rows.tobytes())
+        self.rows += rows.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.dim)
+
+    ndim = 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.dim * 4
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def __getitem__(self, index: slice) -> np.ndarray:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("RowFile reads contiguous slices of rows only")
+        start, stop, _ = index.indices(self.rows)
+        count = max(stop - start, 0)
+        return np.fromfile(self.path, np.float32, count * self.dim, offset=start * self.dim * 4).reshape(count,
+                                                                                                     self.dim)
+
+
 @functools.lru_cache(maxsize=32)
 def _cached_block_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callable:
     return _block_topk_fn(mesh, block_size, k_local, k)

@@ -184,13 +184,13 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
                  "(rows: %s)", side, rows, shapes.lengths[side], f" and chunk (x{chunks} chunks)" if build.chunks else "",
                  texts, build.max_len(side), f"at most {most} texts" if most else "any number of texts", source)
     counts = np.bincount(shapes.of_step, minlength=len(shapes.rows))
-    log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d steps in %.1fs;"
-             " row cost: %s", len(shapes.rows), "/".join(str(int(c)) for c in counts), steps,
-             time.perf_counter() - t0, "tokens (attention per text)" if math.isinf(span) else
+    log.info("packing: %d shape(s) (one compiled step each), steps per shape %s; measured over %d of %d steps in "
+             "%.1fs; row cost: %s", len(shapes.rows), "/".join(str(int(c)) for c in counts), len(shapes.of_step),
+             steps, time.perf_counter() - t0, "tokens (attention per text)" if math.isinf(span) else
              f"tokens x (1 + length / {span:g}) (attention over the whole row)")
     return {"capacities": shapes.capacities(shapes.largest), "shapes": shapes,
             "shards": shards // jax.process_count(), "chunks": build.chunks,
-            "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}}
+            "capacity_keys": {side: f"data.{OVERRIDES[side]}" for side in sides}, "fixed_sides": tuple(fixed)}
 
 
 def attention_span(encoder: Encoder, dropout: bool) -> float:
@@ -268,7 +268,7 @@ def widest_step(build) -> int:
     shapes = getattr(build, "shapes", None)
     if shapes is None:
         return 0
-    return int(next((i for i, s in enumerate(shapes.of_step) if s == 0), 0))
+    return shapes.first_step_of(0)
 
 
 def abstract_global_batch(local: dict, mesh) -> dict:

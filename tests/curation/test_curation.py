@@ -489,6 +489,51 @@ def test_retriever_ranks_the_collection_as_sentence_transformers_does(beir):
     assert ranked == expected
 
 
+def test_the_retriever_encodes_the_collection_in_chunks_into_a_file_and_ranks_it_exactly(beir, tmp_path, monkeypatch,
+                                                                                          caplog):
+    """`negatives=retrieve`'s index: the collection encoded a few passages at a time into a file in the output
+    folder, searched a few rows at a time, ranks every passage as one in-memory product does; the file goes
+    when the run ends."""
+    import logging
+
+    import numpy as np
+
+    from infjax.curation import retrieve
+    from infjax.data.tokenize import TextFormat
+
+    def embed(texts):                              # a deterministic stand-in for an encoder
+        seeds = [int.from_bytes(t.encode()[-8:].rjust(8, b"\0"), "little") % 2**32 for t in texts]
+        out = np.stack([np.random.default_rng(s).standard_normal(16) for s in seeds]).astype(np.float32)
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+    calls = []
+    model = types.SimpleNamespace(name="stand-in", fmt=TextFormat(passage_prefix="p: "),
+                                  embed_passage=lambda texts: calls.append(len(texts)) or embed(texts),
+                                  pair_encoder=lambda: lambda ins, qs: embed([f"{q} {i}" for i, q in zip(ins, qs)]))
+    monkeypatch.setattr(retrieve, "load_model", lambda *a, **k: model)
+    monkeypatch.setattr(retrieve, "BLOCK_BYTES", 4 * 16 * 8)       # 8 rows per search block
+    collection = sources.load(beir)
+    retriever = retrieve.Retriever("stand-in", collection, top_k=5, index_dir=str(tmp_path), chunk=7)
+    instructions, queries = ["Only passages about subject 3.", "Cooking, please."], ["what is topic 05", "topic 12"]
+    with caplog.at_level(logging.INFO, logger="infjax.curate"):
+        ranked = retriever(instructions, queries)
+        assert retriever(instructions, queries) == ranked            # encoded once
+    ids = sorted(collection.passages)
+    scores = embed([f"{q} {i}" for i, q in zip(instructions, queries)]) @ embed(
+        ["p: " + collection.passages[i] for i in ids]).T
+    assert ranked == [[ids[j] for j in np.argsort(-row, kind="stable")[:5]] for row in scores]
+    assert len(ids) > 16 and sum(calls) == len(ids) and max(calls) == 7 and len(calls) == -(-len(ids) // 7)
+    assert any("passages encoded" in r.getMessage() for r in caplog.records)
+    folder = retriever._folder.name
+    assert os.path.dirname(folder) == str(tmp_path) and os.path.getsize(os.path.join(folder, "passages.f32")) == (
+        len(ids) * 16 * 4)
+    del retriever
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(folder)
+
+
 def test_a_hub_id_that_cannot_be_loaded_is_named(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(sources.SourceError, match=r"--input='nobody/no-such-pairs': .* hub dataset"):

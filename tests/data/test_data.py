@@ -134,3 +134,18 @@ def test_query_template_and_prefixes():
     assert TextFormat().query("I", "Q") == "Q I"
     with pytest.raises(ValueError, match="data.query_template"):
         validate_template("{query}")
+
+
+def test_tokenizing_in_chunks_gives_what_one_call_gives(monkeypatch):
+    """The tokenizer's calls of at most tokenize.CHUNK texts: ids, lengths and token keys equal one call's."""
+    from infjax.data import tokenize
+    from tests.helpers.tiny import tiny_bert_path
+
+    tok = tokenize.Tokenizer(tiny_bert_path())
+    texts = [f"text number {i} " + "word " * (i % 13) for i in range(23)]
+    whole = (tok.tokens(texts, 9), tok.lengths(texts), tok.token_keys(texts))
+    direct = tok._tok(texts, truncation=True, max_length=9)["input_ids"]
+    monkeypatch.setattr(tokenize, "CHUNK", 5)
+    chunked = (tok.tokens(texts, 9), tok.lengths(texts), tok.token_keys(texts))
+    assert [t.tolist() for t in chunked[0]] == [t.tolist() for t in whole[0]] == direct
+    assert chunked[1:] == whole[1:] and len(set(chunked[2])) == len(texts) and tok.tokens([], 9) == []

@@ -213,9 +213,11 @@ def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_fa
 @pytest.mark.parametrize("objective,interaction", [("multi_piiq", "concat"),
                                                    pytest.param("multi_piiq", "cross_attention",
                                                                 marks=pytest.mark.slow)])   # slow: in CI
-def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objective, interaction):
+def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objective, interaction, monkeypatch):
     """The real MiniLM: a packed global batch split over data=8 gives the padded batch's loss and gradients
-    computed on one device (Interaction I with instruction negatives; Interaction II)."""
+    computed on one device (Interaction I with instruction negatives; Interaction II), for a step whose shape was
+    measured (0) and one fitted as it is built (2: the shapes are measured over one step)."""
+    from infjax.data import batches
     from infjax.models.encoder import load_encoder
     from infjax.runtime import mesh as mesh_lib
 
@@ -226,7 +228,9 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     encoder, params, path = load_encoder(config.model)
     records = setup_lib.load_training_records(config.data)
     obj = setup_lib.make_objective(config)
+    monkeypatch.setattr(batches, "MEASURED_STEPS", 1)
     packed_setup = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8)
+    assert packed_setup.build.shapes.measured().tolist() == [0]
     padded_setup = setup_lib.make_batch_setup(config_lib_override(config, {"data.packing": False}), records, encoder,
                                               path, obj)
     caps = packed_setup.build.capacities
@@ -341,8 +345,10 @@ def test_cpu_calls_are_cache_sized_and_accelerator_calls_scale_with_the_batch():
     assert embedders.tokens_per_call(256, GpuMesh()) == 256 * 128
 
 
-def test_packed_text_embedder_equals_padded_on_8_devices():
-    """Corpus encoding, packed over a data=8 mesh == padded (the tiny BERT); more texts than one call holds."""
+def test_packed_text_embedder_equals_padded_on_8_devices(monkeypatch):
+    """Corpus encoding, packed over a data=8 mesh == padded (the tiny BERT); more texts than one call holds; and
+    the same in chunks of 100 texts (tokenized 7 at a time), no chunk tokenizing more."""
+    from infjax.data import tokenize
     from infjax.data.tokenize import Tokenizer
     from infjax.inference.embedders import TextEmbedder
     from infjax.models.encoder import load_encoder
@@ -361,6 +367,129 @@ def test_packed_text_embedder_equals_padded_on_8_devices():
     assert len(packed.calls(tok.tokens(texts, 64), 64)) > 3
     assert packed.stats["real_tokens"] == sum(len(t) for t in tok.tokens(texts, 64))
     np.testing.assert_allclose(out, ref, atol=1e-5)
+    chunked = TextEmbedder(encoder, mesh, tok, batch_size=8)
+    chunked.chunk_texts = 100
+    monkeypatch.setattr(tokenize, "CHUNK", 7)
+    seen = []
+    monkeypatch.setattr(tok, "tokens", lambda texts, n, f=tok.tokens: seen.append(len(texts)) or f(texts, n))
+    np.testing.assert_allclose(chunked(params, texts, 64), ref, atol=1e-5)
+    assert seen == [100, 51] and chunked.stats["real_tokens"] == packed.stats["real_tokens"]
+
+
+def _unpacked(packed):
+    """Each shard's texts back from packed arrays [S, rows, length] (first/last index the flattened row)."""
+    out = []
+    for s in range(packed["ids"].shape[0]):
+        flat = packed["ids"][s].reshape(-1)
+        out += [flat[f:l + 1] for f, l in zip(packed["first"][s], packed["last"][s])]
+    return out
+
+
+def test_a_step_not_measured_takes_the_cheapest_shape_that_holds_it_else_the_shapes_grow():
+    """`Shapes.fit` against packing itself: the shape it picks packs the batch and no cheaper shape does; a batch
+    that no shape holds adds one that holds it (and every earlier shape), a text longer than the row length
+    lengthens the rows; either is said in the note, and nothing else is."""
+    rng = np.random.default_rng(0)
+    start = packing.Shapes({"q": 32, "p": 32}, ({"q": 3, "p": 3}, {"q": 1, "p": 3}, {"q": 3, "p": 1}),
+                           np.array([0, 1, 2]), {"q": 3, "p": 3}, {"q": 4, "p": 4}, np.array([0, 5, 9]))
+    grown = 0
+    for trial in range(60):
+        shapes = start
+        top = 40 if trial % 10 == 9 else 32                   # now and then a text longer than the rows
+        counts = {side: rng.integers(1, rng.choice([8, 20, top]) + 1, size=2 * int(rng.integers(1, 7))).tolist()
+                  for side in ("q", "p")}
+        tokens = {side: [np.arange(n, dtype=np.int32) + 3 for n in c] for side, c in counts.items()}
+        after, caps, note = shapes.fit(counts, 2)
+
+        def holds(sh, rows):
+            try:
+                for side, t in tokens.items():
+                    packing.pack(t, 2, sh.capacities(rows)[side], 0)
+                return True
+            except packing.PackingOverflow:
+                return False
+
+        assert holds(after, {s: c.rows for s, c in caps.items()})
+        assert all(c.length == after.lengths[s] and c.texts == 4 for s, c in caps.items())
+        if after.lengths != start.lengths:
+            assert max(max(c) for c in counts.values()) > 32 and "row length" in note
+            assert all(n == 64 for s, n in after.lengths.items() if max(counts[s]) > 32)
+        fitting = [r for r in after.rows if holds(after, r)]
+        if after.rows == start.rows:
+            assert note is None or "row length" in note
+            assert after.cost({s: c.rows for s, c in caps.items()}) == min(map(after.cost, fitting))
+        else:
+            grown += 1
+            assert "a further shape" in note and after.rows[1:] == start.rows and after.largest == after.rows[0]
+            assert all(after.rows[0][s] >= n for r in start.rows for s, n in r.items())
+            assert after.of_step.tolist() == ([1, 2, 3] if after.lengths == start.lengths else [])
+    assert 0 < grown < 60
+
+
+def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agree(monkeypatch, caplog):
+    """A run measured over a sample of its steps: every step, measured or not, packs all its texts unchanged into
+    its shape's rows (the widest a row more than the sample needs, at most a row a text), and that shape is the
+    cheapest that holds the step's first-fit rows; shapes that hold no step are grown, once each, with one
+    line; two processes (4 shards each) build the halves of the batch that one process (8 shards) builds, so
+    all processes choose and grow alike."""
+    import collections
+    import dataclasses
+    import logging
+
+    from infjax.data import batches
+    from infjax.models.encoder import load_encoder
+    from infjax.training import setup as setup_lib
+
+    config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96, "train.steps": 5})
+    encoder, _, path = load_encoder(config.model)
+    records = setup_lib.load_training_records(config.data)
+    obj = setup_lib.make_objective(config)
+    monkeypatch.setattr(batches, "MEASURED_STEPS", 2)
+    build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
+    assert build.shapes.measured().tolist() == [0, 4]
+    for side, rows in build.shapes.largest.items():          # a row more than the sample's most, per side
+        most = max(packing.capacity_for([[len(t) for t in build.tokenizer.tokens(
+            build.side_texts(step, local=False)[0][side], build.max_len(side))]], 8, build.shapes.lengths[side]).rows
+            for step in (0, 4))
+        assert rows == min(most + 1, len(build.side_texts(0, local=False)[0][side]) // 8)
+    # Shapes of one row per shard: every step then needs more rows than any shape has.
+    small = dataclasses.replace(build.shapes, rows=({s: 1 for s in build.shapes.largest},),
+                                largest={s: 1 for s in build.shapes.largest}, of_step=np.zeros(0, np.int32),
+                                steps=np.zeros(0, np.int64))
+    for start in (build.shapes, small):
+        one = dataclasses.replace(build, shapes=start)
+        two = [dataclasses.replace(build, shapes=start, shards=4, process_index=i, process_count=2) for i in (0, 1)]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infjax.data"):
+            for step in range(config.train.steps):
+                shapes = one.shapes
+                batch = one(step)
+                texts, _ = one.side_texts(step)
+                for side, packed in batch.items():
+                    tokens = one.tokenizer.tokens(texts[side], one.max_len(side))
+                    for got, want in zip(_unpacked(packed), tokens, strict=True):
+                        np.testing.assert_array_equal(got, want)
+                    rows, length = packed["ids"].shape[1:]
+                    assert length == one.shapes.lengths[side]
+                    need = packing.capacity_for([[len(t) for t in tokens]], 8, length).rows
+                    assert rows >= need
+                if shapes is one.shapes:                       # nothing grew: the cheapest shape that holds it
+                    needs = {side: packing.capacity_for([[len(t) for t in one.tokenizer.tokens(
+                        texts[side], one.max_len(side))]], 8, shapes.lengths[side]).rows for side in batch}
+                    held = [r for r in shapes.rows if all(r[s] >= n for s, n in needs.items())]
+                    assert shapes.cost({s: batch[s]["ids"].shape[1] for s in batch}) == min(map(shapes.cost, held))
+                halves = [b(step) for b in two]
+                for side in batch:
+                    for key in packing.KEYS:
+                        np.testing.assert_array_equal(np.concatenate([h[side][key] for h in halves]),
+                                                      batch[side][key])
+        lines = collections.Counter(r.getMessage() for r in caplog.records)
+        assert all(n == 3 for n in lines.values())           # each growth once in each of the 3 builders
+        assert all(b.shapes.rows == one.shapes.rows and b.shapes.lengths == one.shapes.lengths for b in two)
+        assert one.capacities == one.shapes.capacities(one.shapes.largest)
+        if start is small:
+            assert lines and all("does not fit the shapes measured over 0 sampled steps" in line for line in lines)
+            assert len(one.shapes.rows) == 1 + sum("a further shape" in line for line in lines)
 
 
 def test_a_checkpoint_from_before_packing_resumes():
