@@ -133,7 +133,8 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # with gradient caching (train.chunk_size > 0) each chunk is packed apart
     c.data.pack_rows_query = 0         # packed rows per batch shard (per chunk of one under gradient caching)
                                        # for q (and Interaction II i, qo); 0 = the most any step needs,
-                                       # measured on the host before the first step
+                                       # measured on the host before the first step (over at most 512
+                                       # steps; a step past them that needs more grows the shapes)
     c.data.pack_rows_passage = 0       # ... for passages
     c.data.pack_rows_negatives = 0     # ... for the instruction negatives (K per row)
     c.data.pack_length_query = 0       # tokens per packed row, query side (0 = chosen on the host: the multiple
@@ -379,7 +380,7 @@ def _validate_data(c) -> None:
            c.data.pack_shapes, "must be an integer >= 1 (compiled shapes of packed batches)")
     for key in ("pack_rows_query", "pack_rows_passage", "pack_rows_negatives"):
         _check(isinstance(c.data[key], int) and c.data[key] >= 0, f"data.{key}", c.data[key],
-               "must be an integer >= 0 (0 = measured over the run)")
+               "must be an integer >= 0 (0 = measured before the first step)")
 
 
 def _validate_training(c) -> None:

@@ -64,7 +64,7 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("negatives", "llm", "llm (the generator writes P1-, P2-) | retrieve (from the collection).", flag_values=fv)
     flags.DEFINE_string("embedder", "embedded:all-MiniLM-L6-v2", "infjax model source for --negatives=retrieve.", flag_values=fv)
     flags.DEFINE_integer("distractors", 4, "Random passages from the collection shown to the judge per record.", flag_values=fv)
-    flags.DEFINE_string("cache_dir", "", "Response cache folder (default OUT/cache).", flag_values=fv)
+    flags.DEFINE_string("cache_dir", None, "Response cache folder (default OUT/cache).", flag_values=fv)
     flags.DEFINE_integer("chunk_size", 0, "Records per chunk between stage-file writes (0: 4 x concurrency, or "
                                           "the local batch).", flag_values=fv)
     flags.DEFINE_string("local_model", local.SMOLLM2, f"local: a Llama/Qwen2 HF folder, or {local.SMOLLM2!r} "
