@@ -240,6 +240,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_listening(port: int, proc, timeout: float = 120) -> None:
+    """Until something accepts connections on 127.0.0.1:`port` (`proc`'s coordinator has started), or fail."""
+    import socket
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on port {port} (the process ended: {proc.poll()})")
+
+
 def _by_hand(tmp_path, workdir, devices=1, **env):
     """`python -m infjax.train` started as launch/local.sh starts a process, with `env` (explicit variables)."""
     return subprocess.Popen([sys.executable, "-m", "infjax.train", *_flags(workdir)], cwd=ROOT,
@@ -278,6 +292,7 @@ def test_a_taken_coordinator_port_and_a_duplicate_process_id_are_said_at_once(tm
     port = _free_port()
     explicit = dict(INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_NUM_PROCESSES="2", INFJAX_INIT_TIMEOUT="120")
     a0 = _by_hand(tmp_path, str(tmp_path / "a"), INFJAX_PROCESS_ID="0", INFJAX_LAUNCH_ID="job-a", **explicit)
+    _wait_listening(port, a0)                                       # job A's coordinator first, on a loaded machine too
     b = [_by_hand(tmp_path, str(tmp_path / "b"), INFJAX_PROCESS_ID=str(i), INFJAX_LAUNCH_ID="job-b", **explicit)
          for i in range(2)]
     start = time.time()
