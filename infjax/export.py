@@ -530,9 +530,7 @@ def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> s
         remove_stale_temporaries(out)
     check_free_space(out, parent or tempfile.gettempdir(), needed_bytes)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-{os.getpid()}-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)             # mkdtemp makes 0700; DIR gets the usual permissions
+    os.chmod(tmp, 0o777 & ~storage.umask())   # mkdtemp makes 0700; DIR gets the usual permissions
     try:
         write(tmp)
         _write_json(os.path.join(tmp, MARKER_FILE), marker)

@@ -26,9 +26,10 @@ import json
 import logging
 import os
 import random
-import tempfile
 import threading
 import time
+
+from infjax.runtime import storage
 
 log = logging.getLogger("infjax.curation")
 
@@ -119,13 +120,8 @@ class ResponseCache:
             return
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with storage.replacing(path) as f:          # never half written, never through a link
             json.dump(value, f)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)       # mkstemp makes 0600; the cache gets the usual permissions
-        os.replace(tmp, path)
 
 
 class Backend:

@@ -28,6 +28,7 @@ from infjax.curation import stages as stages_lib
 from infjax.curation.sources import Collection
 from infjax.data.inf_ir import FIELDS
 from infjax.errors import RunStopped, UserError
+from infjax.runtime import storage
 
 log = logging.getLogger("infjax.curation")
 
@@ -98,12 +99,6 @@ def check_run_identity(out: str, identity: dict, write: bool = True) -> None:
         _write_atomic(path, json.dumps(identity, indent=1, sort_keys=True) + "\n")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def _write_atomic(path: str, text: str | None = None, write=None) -> None:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=f".{os.path.basename(path)}.")
     os.close(fd)
@@ -113,7 +108,7 @@ def _write_atomic(path: str, text: str | None = None, write=None) -> None:
         else:
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())       # mkstemp makes 0600: outputs get the usual permissions
+        os.chmod(tmp, 0o666 & ~storage.umask())       # mkstemp makes 0600: outputs get the usual permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

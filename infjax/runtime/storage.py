@@ -138,7 +138,7 @@ def replacing(path: str, binary: bool = False):
     folder, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.tmp-")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())     # mkstemp makes 0600: the file gets the usual permissions
+        os.fchmod(fd, 0o666 & ~umask())     # mkstemp makes 0600: the file gets the usual permissions
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
             yield f
         os.replace(tmp, path)
@@ -148,7 +148,8 @@ def replacing(path: str, binary: bool = False):
         raise
 
 
-def _umask() -> int:
+def umask() -> int:
+    """This process's umask (read by setting it and back: the only way): what a new file's mode leaves out."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -665,6 +665,13 @@ def test_a_signal_while_the_run_is_held_ends_it_after_the_grace_naming_where(mon
                         r"checkpoint is C", second), second
 
 
+@pytest.mark.parametrize("value", [-1.0, -0.5])
+def test_a_stop_grace_that_is_not_seconds_is_refused_naming_the_key(value):
+    with pytest.raises(errors.ConfigError, match=re.escape(f"config.train.stop_grace_s={value!r}: must be >= 0 "
+                                                           f"seconds")):
+        config_lib.validate(small_config(**{"train.stop_grace_s": value}))
+
+
 def test_without_a_signal_the_grace_never_ends_a_run(monkeypatch):
     import signal
     import time as time_lib
