@@ -119,38 +119,39 @@ def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[
     """The model's (pair encoder, passage encoder), read through `cache` when there is one.
 
     The cache keys on the encoder's input texts: formatted query texts for
-    one-text models, the (instruction, query) pairs for pair models.
+    one-text models, the (instruction, query) pairs for pair models. Each
+    entry keeps how many of its texts were cut (`model.cuts`).
     """
     if cache is None:
         return model.pair_encoder(), model.embed_passage
-    key = model.key()
-    ep = cache.wrap(model.embed_passage, key, model.step, dataset, "passage")
+    key, cuts = model.key(), model.cuts or {}
+    ep = cache.wrap(model.embed_passage, key, model.step, dataset, "passage", cuts.get("passage"))
     if model.embed_pairs is None:
-        return template_pairs(cache.wrap(model.embed_query, key, model.step, dataset, "query"), model.fmt), ep
-    return cache.wrap_pairs(model.embed_pairs, key, model.step, dataset), ep
+        return template_pairs(cache.wrap(model.embed_query, key, model.step, dataset, "query", cuts.get("query")),
+                              model.fmt), ep
+    return cache.wrap_pairs(model.embed_pairs, key, model.step, dataset, cuts=cuts.get("query")), ep
 
 
-def truncation(model, task) -> dict | None:
-    """How many of a task's encoder inputs the maximum lengths cut: {"query_max_len", "queries", "queries_cut",
-    "passage_max_len", "passages", "passages_cut"} (None when the model's tokenizer is not known). A cut text
-    scores lower for a reason that is not the model's: the log says it for every evaluation."""
-    if model.lengths is None:
+def truncation(model) -> dict | None:
+    """How many of the task just evaluated's encoder inputs the maximum lengths cut: {"query_max_len",
+    "queries", "queries_cut", "passage_max_len", "passages", "passages_cut"}, counted by the encoders as they
+    tokenized them (`model.cuts`, reset before each task; a count is None where some of its texts came from a
+    cache entry that kept none), or None when the model does not count them. A cut text scores lower for a
+    reason that is not the model's: the log says it for every evaluation."""
+    if model.cuts is None:
         return None
-    fmt = model.fmt
-    if isinstance(task, datasets.FollowIRTask):
-        split = task.split
-        pairs = [(ins[q], split.queries[q]) for ins in (split.instructions_og, split.instructions_changed)
-                 for q in split.queries]
-        corpus = split.corpus
-    else:
-        pairs = [(task.instructions.get(q, ""), task.queries[q]) for q in task.qrels]
-        corpus = task.corpus
-    queries = [q for _, q in pairs] if model.embed_pairs is not None else [fmt.query(i, q) for i, q in pairs]
-    q_len, p_len = model.lengths(queries), model.lengths([fmt.passage(t) for t in corpus.values()])
-    return {"query_max_len": model.query_max_len, "queries": len(q_len),
-            "queries_cut": sum(n > model.query_max_len for n in q_len),
-            "passage_max_len": model.passage_max_len, "passages": len(p_len),
-            "passages_cut": sum(n > model.passage_max_len for n in p_len)}
+    q, p = model.cuts["query"], model.cuts["passage"]
+    return {"query_max_len": q.max_len, "queries": q.texts, "queries_cut": q.cut_count,
+            "passage_max_len": p.max_len, "passages": p.texts, "passages_cut": p.cut_count}
+
+
+def describe_truncation(name: str, cut: dict) -> str:
+    """The log line of `truncation`: "NAME: 0 of 3 queries cut at 256 tokens, 12 of 3000 passages cut at 512
+    tokens"; "an unknown number of" for a side some of whose texts were not counted (a line above says why)."""
+    def side(texts: str, n: int, k: int | None, max_len: int) -> str:
+        return f"{'an unknown number' if k is None else k} of {n} {texts} cut at {max_len} tokens"
+    return (f"{name}: {side('queries', cut['queries'], cut['queries_cut'], cut['query_max_len'])}, "
+            f"{side('passages', cut['passages'], cut['passages_cut'], cut['passage_max_len'])}")
 
 
 def pool_coverage(task) -> dict:
@@ -228,14 +229,13 @@ def run_evaluation(args: flags.FlagValues) -> dict:
     results = []
     cuts = {}
     for task in tasks:
-        cut = cuts[task.name] = truncation(model, task)
-        if cut is not None:
-            log.info("%s: %d of %d queries cut at %d tokens, %d of %d passages cut at %d tokens", task.name,
-                     cut["queries_cut"], cut["queries"], cut["query_max_len"], cut["passages_cut"], cut["passages"],
-                     cut["passage_max_len"])
+        model.reset_cuts()
         pairs, ep = cached_encoders(model, cache, f"{args.dataset}|{task.name}")
         results.append(evaluate_task(task, pairs, ep, model.fmt, top_k=args.top_k, block_size=args.block_size,
                                      progress=not args.no_progress))
+        cut = cuts[task.name] = truncation(model)
+        if cut is not None:
+            log.info("%s", describe_truncation(task.name, cut))
     t_eval = time.perf_counter()
     summary = mean_summary(results)
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],

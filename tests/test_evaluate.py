@@ -273,9 +273,15 @@ def test_run_directory_step_synthetic_defaults_and_cross_attention(tmp_path, cap
     assert meta["step"] == 5 and meta["tasks"][0]["name"] == "synthetic(seed=7,num_queries=3,pool_size=8)"
     summary = json.load(open(out / "summary.json"))
     assert np.isfinite(summary["p_mrr"]) and 0 <= summary["ndcg@5"] <= 1
+    # the pair embedder counts the queries it cuts (each encoded alone), as the text embedder counts passages
+    from tests.helpers.tiny import tiny_bert_path
+    task = eval_data.load("synthetic:seed=7,num_queries=3,pool_size=8")[0]
+    cut = meta["tasks"][0]["truncation"]
+    assert cut == _expected_truncation(tiny_bert_path(), task, meta, pairs=True) and cut["queries"] == 6
     assert evaluate.main([f"--model={run}", "--dataset=synthetic", f"--out={tmp_path / 'again'}", "--no_progress",
                           f"--cache_dir={tmp_path / 'cache'}"]) == 0                      # pair cache hit
     assert json.load(open(tmp_path / "again" / "summary.json")) == summary
+    assert json.load(open(tmp_path / "again" / "meta.json"))["tasks"][0]["truncation"] == cut
     assert evaluate.main([f"--model={run}", "--step=4", "--dataset=synthetic"]) == 2
     assert "saved steps: [5]" in capsys.readouterr().err
     assert evaluate.main([f"--model={run}", "--pooling=cls", "--dataset=synthetic"]) == 2
@@ -512,6 +518,238 @@ def test_every_evaluation_says_how_many_texts_its_lengths_cut(tmp_path, caplog):
                    "passages_cut": n(list(task.corpus.values()), 16)}
     assert 0 < cut["passages_cut"] <= cut["passages"]
     assert f"{cut['passages_cut']} of {cut['passages']} passages cut at 16 tokens" in caplog.text
+
+
+# --------------------------------------------------------------------------
+# Cut texts, counted where the encoders tokenize them
+# --------------------------------------------------------------------------
+
+
+def _encoder_inputs(task, fmt, pairs=False):
+    """The (queries, passages) texts the encoders read for `task`, formatted by `fmt`: every judged query under
+    each instruction the task has (one text, or the query alone for a pair model), and the corpus."""
+    if isinstance(task, eval_data.FollowIRTask):
+        split = task.split
+        pairs_ = [(ins[q], split.queries[q]) for ins in (split.instructions_og, split.instructions_changed)
+                  for q in split.queries]
+        corpus = split.corpus
+    else:
+        pairs_ = [(task.instructions.get(q, ""), task.queries[q]) for q in task.qrels]
+        corpus = task.corpus
+    queries = [fmt.alone(q) if pairs else fmt.query(i, q) for i, q in pairs_]
+    return queries, [fmt.passage(t) for t in corpus.values()]
+
+
+def _uncut_over(folder, texts, max_len):
+    """How many of `texts` the tokenizer of `folder` makes longer than max_len tokens uncut, special tokens
+    included: the count the encoders must report, computed apart from them."""
+    from transformers import AutoTokenizer
+
+    return sum(len(ids) > max_len for ids in AutoTokenizer.from_pretrained(folder)(list(texts))["input_ids"])
+
+
+def _meta_format(meta):
+    """The text format an evaluation's meta.json records."""
+    return TextFormat(meta["query_template"], meta["query_prefix"] or "", meta["passage_prefix"] or "")
+
+
+def _expected_truncation(folder, task, meta, pairs=False):
+    """meta.json's "truncation" of `task`, computed from the tokenizer of `folder` apart from the encoders."""
+    queries, passages = _encoder_inputs(task, _meta_format(meta), pairs)
+    qlen, plen = meta["query_max_len"], meta["passage_max_len"]
+    return {"query_max_len": qlen, "queries": len(queries), "queries_cut": _uncut_over(folder, queries, qlen),
+            "passage_max_len": plen, "passages": len(passages), "passages_cut": _uncut_over(folder, passages, plen)}
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """Every text a Hugging Face tokenizer is asked to tokenize, in this test."""
+    from transformers import PreTrainedTokenizerBase
+
+    seen, call = [], PreTrainedTokenizerBase.__call__
+
+    def spy(self, text=None, *args, **kwargs):
+        seen.extend([text] if isinstance(text, str) else list(text or []))
+        return call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", spy)
+    return seen
+
+
+@needs_minilm
+@pytest.mark.parametrize("kind", ["beir", "followir"])
+@pytest.mark.parametrize("model_type", ["hf", "sentence_transformers"])
+def test_the_cut_counts_are_the_tokenizers_uncut_lengths_and_each_text_is_tokenized_once(tmp_path, caplog, kind,
+                                                                                          model_type, tokenized):
+    """Before: every query and passage was tokenized uncut to count the cut ones (4.5 of 10.5 minutes, without a
+    bar, on a million documents), then again by the encoder. Now the encoder's own tokenization counts them
+    (infjax's packed embedder; sentence-transformers' batches): the same numbers, each text tokenized once."""
+    from tests.helpers.tiny import tiny_bert_path
+
+    if model_type == "sentence_transformers":
+        pytest.importorskip("sentence_transformers")
+    folder = (write_beir(str(tmp_path / "toy")) if kind == "beir" else
+              write_followir(str(tmp_path / "core17-instructions")))
+    out, (qlen, plen) = tmp_path / "out", {"beir": (9, 34), "followir": (30, 34)}[kind]   # some cut, some not
+    with caplog.at_level("INFO", logger="infjax"):
+        assert evaluate.main([f"--model={tiny_bert_path()}", f"--model_type={model_type}", f"--out={out}",
+                              f"--dataset={kind}:{folder}", "--no_progress", f"--query_max_len={qlen}",
+                              f"--passage_max_len={plen}", "--batch_size=16"]) == 0
+    seen, meta = list(tokenized), json.loads((out / "meta.json").read_text())
+    task = eval_data.load(f"{kind}:{folder}")[0]
+    expected = _expected_truncation(tiny_bert_path(), task, meta)
+    assert meta["tasks"][0]["truncation"] == expected
+    assert 0 < expected["queries_cut"] < expected["queries"] and 0 < expected["passages_cut"] < expected["passages"]
+    queries, passages = _encoder_inputs(task, _meta_format(meta))
+    assert sorted(seen) == sorted(queries + passages)                     # each text once, nothing else
+    assert evaluate.describe_truncation(task.name, expected) in caplog.text
+    assert f"{expected['passages_cut']} of {expected['passages']} passages cut at {plen} tokens" in caplog.text
+
+
+@needs_minilm
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_text_embedder_counts_the_cut_texts_from_its_own_tokenizer_calls(packed, monkeypatch):
+    """Packed and padded: a `Cuts` given, the count equals the tokenizer's uncut lengths over max_len, nothing is
+    tokenized again (a fast tokenizer says what it cut), and the embeddings are those of the embedder without
+    one (the training-time evaluator's call), bit for bit."""
+    import jax
+
+    from infjax.config import base_config
+    from infjax.data.tokenize import Tokenizer
+    from infjax.inference.embedders import TextEmbedder
+    from infjax.inference.truncation import Cuts
+    from infjax.models.encoder import load_encoder
+    from infjax.runtime.mesh import default_mesh, replicated
+    from tests.helpers.tiny import tiny_bert_path
+
+    config = base_config("multi_pi").model
+    config.checkpoint = tiny_bert_path()
+    encoder, params, path = load_encoder(config)
+    mesh = default_mesh()
+    params = jax.device_put(params["shared"], replicated(mesh))
+    tok = Tokenizer(path)
+    texts = list(SPLIT.corpus.values()) + ["", "short", "word " * 14, "word " * 15]     # 16 and 17 tokens
+    embedder = TextEmbedder(encoder, mesh, tok, 8, packed=packed)
+    embedder.chunk_texts = 10                                  # several chunks, each counted once
+    plain = embedder(params, texts, 16)
+    monkeypatch.setattr(tok, "lengths", lambda t: pytest.fail(f"{len(t)} texts tokenized again, uncut"))
+    cuts = Cuts(16)
+    np.testing.assert_array_equal(embedder(params, texts, 16, cuts=cuts), plain)
+    assert (cuts.texts, cuts.cut_count) == (len(texts), _uncut_over(path, texts, 16))
+    assert 0 < cuts.cut < len(texts) - 2
+    embedder(params, texts[-2:], 16, cuts=cuts)               # a count adds up over calls
+    assert (cuts.texts, cuts.cut_count) == (len(texts) + 2, _uncut_over(path, texts, 16) + 1)
+
+
+@needs_minilm
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_counting_gives_the_ids_of_the_tokenizers_own_methods(side, monkeypatch):
+    """truncation.tokens / padded make Tokenizer.tokens' and Tokenizer.__call__'s call (left padding too, as the
+    decoders pad), CHUNK texts at a time: the encoder reads the same ids whether it counts or not."""
+    from infjax.data import tokenize
+    from infjax.data.tokenize import Tokenizer
+    from infjax.inference import truncation
+    from infjax.inference.truncation import Cuts
+    from infjax.models.hf.files import embedded_minilm_path
+
+    tok = Tokenizer(embedded_minilm_path(), padding_side=side)
+    texts = list(SPLIT.corpus.values()) + ["", "short", "word " * 14, "word " * 15]
+    monkeypatch.setattr(tokenize, "CHUNK", 7)
+    cuts, want = Cuts(16), _uncut_over(embedded_minilm_path(), texts, 16)
+    ids = truncation.tokens(tok, texts, 16, cuts)
+    assert [i.tolist() for i in ids] == [i.tolist() for i in tok.tokens(texts, 16)] and ids[0].dtype == np.int32
+    padded, mask = truncation.padded(tok, texts, 16, cuts, len(texts) - 1)      # the last one pads a batch
+    ref_ids, ref_mask = tok(texts, 16)
+    np.testing.assert_array_equal(padded, ref_ids)
+    np.testing.assert_array_equal(mask, ref_mask)
+    assert padded.dtype == ref_ids.dtype and mask.dtype == ref_mask.dtype
+    assert (cuts.texts, cuts.cut_count) == (2 * len(texts) - 1, 2 * want - 1)     # "word " * 15 is cut
+
+
+@needs_minilm
+def test_without_the_tokenizers_encodings_only_texts_that_fill_max_len_are_tokenized_again():
+    """What older sentence-transformers (plain tensors) and slow tokenizers give: a cut text fills max_len, so
+    those texts alone are tokenized again, uncut, to tell them from texts of exactly max_len tokens; rows that
+    are not one per text give no count (None), never a guess."""
+    from transformers import AutoTokenizer
+
+    from infjax.inference.truncation import cut_flags
+    from infjax.models.hf.files import embedded_minilm_path
+
+    tok = AutoTokenizer.from_pretrained(embedded_minilm_path())
+    texts = ["word " * 14, "word " * 15, "short", ""] + list(SPLIT.corpus.values())[:6]      # 16 and 17 tokens
+    uncut = [len(ids) for ids in tok(texts)["input_ids"]]
+    asked = []
+
+    def lengths(batch):
+        asked.extend(batch)
+        return [len(ids) for ids in tok(batch)["input_ids"]]
+
+    encoded = tok(texts, truncation=True, max_length=16)
+    padded = tok(texts, truncation=True, max_length=16, padding="max_length", return_tensors="np")
+    want = np.array(uncut) > 16
+    np.testing.assert_array_equal(cut_flags(encoded, texts, 16, lengths), want)
+    assert asked == []                                                    # the encodings say it
+    np.testing.assert_array_equal(cut_flags(dict(encoded), texts, 16, lengths), want)
+    np.testing.assert_array_equal(cut_flags(dict(padded), texts, 16, lengths), want)
+    assert asked == 2 * [t for t, n in zip(texts, uncut) if n >= 16] and texts[0] in asked
+    assert cut_flags({"input_ids": encoded["input_ids"][:3]}, texts, 16, lengths) is None
+
+
+def test_a_sentence_transformers_that_tokenizes_elsewhere_gives_an_unknown_count(caplog):
+    """The count comes from the batches sentence-transformers tokenizes; where they do not add up to the texts
+    encoded, the count is unknown (one warning), never a wrong number."""
+    from infjax.inference.sources import st_counting
+    from infjax.inference.truncation import Cuts
+
+    class Elsewhere:
+        def tokenize(self, texts):
+            raise AssertionError("not called")
+
+        def encode(self, texts):
+            return np.zeros((len(texts), 4), np.float32)
+
+    model, cuts = Elsewhere(), Cuts(16)
+    with st_counting(model, cuts, 3):
+        model.encode(["a", "b", "c"])
+    assert (cuts.texts, cuts.cut_count) == (3, None) and "tokenize" not in vars(model)
+    assert "sentence-transformers tokenized 0 texts through Elsewhere.tokenize for 3 encoded" in caplog.text
+
+
+@needs_minilm
+def test_a_cache_hit_reports_the_cut_counts_its_entries_kept(tmp_path, caplog, tokenized):
+    """Nothing is tokenized on a hit, so each entry keeps its count. An entry written before it did is still read:
+    its texts' count is unknown (null in meta.json, "an unknown number" in the log), never a wrong number."""
+    from tests.helpers.tiny import tiny_bert_path
+
+    beir, cache = write_beir(str(tmp_path / "toy")), tmp_path / "cache"
+    args = [f"--model={tiny_bert_path()}", "--model_type=hf", f"--dataset=beir:{beir}", f"--cache_dir={cache}",
+            "--no_progress", "--query_max_len=9", "--passage_max_len=34"]
+
+    def truncation(out):
+        assert evaluate.main(args + [f"--out={tmp_path / out}"]) == 0
+        return json.loads((tmp_path / out / "meta.json").read_text())["tasks"][0]["truncation"]
+
+    cold = truncation("cold")
+    assert cold["queries_cut"] > 0 and cold["passages_cut"] > 0
+    entries = [json.loads(p.read_text()) for p in cache.glob("*.json")]
+    assert sorted((e["side"], e["cut"]["cut"]) for e in entries) == [("passage", cold["passages_cut"]),
+                                                                      ("query", cold["queries_cut"])]
+    tokenized.clear()
+    with caplog.at_level("INFO", logger="infjax"):
+        assert truncation("warm") == cold
+    assert tokenized == [] and caplog.text.count("embedding cache hit") == 2
+    for path in cache.glob("*.json"):                      # as an earlier infjax wrote them
+        entry = json.loads(path.read_text())
+        del entry["cut"]
+        path.write_text(json.dumps(entry))
+    caplog.clear()
+    with caplog.at_level("INFO", logger="infjax"):
+        old = truncation("old")
+    assert old == {**cold, "queries_cut": None, "passages_cut": None}
+    assert caplog.text.count("keeps no count of the texts cut at") == 2
+    assert f"an unknown number of {cold['passages']} passages cut at 34 tokens" in caplog.text
+    assert (tmp_path / "old" / "summary.json").read_bytes() == (tmp_path / "cold" / "summary.json").read_bytes()
 
 
 # --------------------------------------------------------------------------

@@ -15,7 +15,9 @@ one compiled shape per width; the empty rows of a width's last
 call take narrower rows side by side, and only a chunk's last call is
 shorter (data.packing.plan_calls). Padded (packed=False): texts sorted
 by length, each batch padded to the smallest bucket that holds its longest
-text. Results come back in the input order either way.
+text. Results come back in the input order either way. Given a `Cuts`, an
+embedder counts the texts it encodes and those max_len cuts, from the
+tokenizer calls that make its input (inference.truncation).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from jax.sharding import Mesh
 
 from infjax.data import packing
 from infjax.data.tokenize import TextFormat, Tokenizer
+from infjax.inference import truncation
+from infjax.inference.truncation import Cuts
 from infjax.models import interaction
 from infjax.models.encoder import Encoder, query_params
 from infjax.runtime import cpu as runtime_cpu
@@ -113,13 +117,15 @@ class TextEmbedder:
         cut = slice(max_len - width, None) if self.left_padded else slice(0, width)
         return ids[:, cut], mask[:, cut]
 
-    def __call__(self, params, texts: list[str], max_len: int, progress: str | None = None) -> np.ndarray:
-        """Embeddings of `texts` in their order; `progress` names a tqdm bar (None: no bar)."""
+    def __call__(self, params, texts: list[str], max_len: int, progress: str | None = None,
+                 cuts: Cuts | None = None) -> np.ndarray:
+        """Embeddings of `texts` in their order; `progress` names a tqdm bar (None: no bar); `cuts` (when given)
+        counts the texts and those max_len cuts, as they are tokenized for the encoder."""
         texts = list(texts)
         if not texts:
             return np.zeros((0, 0), np.float32)
         if self.packed:
-            return self._packed_call(params, texts, max_len, progress)
+            return self._packed_call(params, texts, max_len, progress, cuts)
         # Longest first (by characters, a cheap proxy for tokens): similar lengths share a batch.
         order = np.argsort(-np.fromiter((len(t) for t in texts), np.int64, len(texts)), kind="stable")
 
@@ -127,8 +133,8 @@ class TextEmbedder:
             for start in range(0, len(texts), self.batch_size):
                 rows = order[start:start + self.batch_size]
                 chunk = [texts[i] for i in rows] + [""] * (self.batch_size - len(rows))   # static shape
-                ids, mask = self._trim(*self.tokenizer(chunk, max_len), max_len)
-                # Every process tokenizes the whole batch and feeds its own devices' rows (multi-host).
+                # Every process tokenizes (and counts) the whole batch and feeds its own devices' rows (multi-host).
+                ids, mask = self._trim(*truncation.padded(self.tokenizer, chunk, max_len, cuts, len(rows)), max_len)
                 owners = np.concatenate([rows, np.full(self.batch_size - len(rows), -1)])
                 yield self._fn(params, *put((ids, mask), self._rows)), owners
 
@@ -183,15 +189,17 @@ class TextEmbedder:
                                              packing.segment_bound(max((len(r) for r in rows), default=1)))
         return [(width, rows, slots[width, len(rows)], segments[width, len(rows)]) for width, rows in planned]
 
-    def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None) -> np.ndarray:
+    def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None,
+                     cuts: Cuts | None = None) -> np.ndarray:
         """Packed encoding, `chunk_texts` texts at a time (tokenized, placed and encoded before the next chunk is
         tokenized: the host holds one chunk's tokens whatever the number of texts). A call shape keeps the most
-        text and segment slots any chunk gave it, so later chunks reuse its compiled program."""
+        text and segment slots any chunk gave it, so later chunks reuse its compiled program. Every process
+        tokenizes (and counts) the whole chunk and places its own devices' shards."""
 
         def jobs():
             for lo in range(0, len(texts), self.chunk_texts):
                 t0 = time.perf_counter()
-                tokens = self.tokenizer.tokens(texts[lo:lo + self.chunk_texts], max_len)
+                tokens = truncation.tokens(self.tokenizer, texts[lo:lo + self.chunk_texts], max_len, cuts)
                 calls = self.calls(tokens, max_len)
                 self.stats["host_s"] += time.perf_counter() - t0
                 for width, rows, slots, segments in calls:
@@ -227,7 +235,10 @@ class CrossAttentionQueryEmbedder:
         # Inputs come as global arrays (params as the caller holds them, rows through `put`): no in_shardings.
         self._fn = jax.jit(embed, out_shardings=replicated(mesh))
 
-    def __call__(self, params, instructions: list[str], queries: list[str], max_len: int) -> np.ndarray:
+    def __call__(self, params, instructions: list[str], queries: list[str], max_len: int,
+                 cuts: Cuts | None = None) -> np.ndarray:
+        """iq embeddings of the pairs in their order; `cuts` (when given) counts the queries and those max_len
+        cuts, as they are tokenized for the encoder."""
         if len(instructions) != len(queries):
             raise ValueError(f"{len(instructions)} instructions but {len(queries)} queries")
         out = []
@@ -237,7 +248,7 @@ class CrossAttentionQueryEmbedder:
             n = len(qs)
             pad = [""] * (self.batch_size - n)
             i_ids, i_mask = self.tokenizer(ins + pad, max_len)
-            q_ids, q_mask = self.tokenizer(qs + pad, max_len)
+            q_ids, q_mask = truncation.padded(self.tokenizer, qs + pad, max_len, cuts, n)
             q_mask[n:, 0] = 1                      # padding rows: one attended token, no NaN
             inputs = put((i_ids, i_mask, q_ids, q_mask), self._rows)   # each process: its devices' rows
             out.append(np.asarray(self._fn(params, *inputs))[:n])

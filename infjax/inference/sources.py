@@ -22,6 +22,7 @@ folder is refused naming the extra that installs it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -36,6 +37,7 @@ import numpy as np
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
+from infjax.inference.truncation import Cuts, cut_flags
 from infjax.models.hf import files as hf_files
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.runtime import storage
@@ -74,13 +76,20 @@ class EmbeddingModel:
     cache_key: str | Callable[[], str] = ""
     # (instructions, queries) -> iq embeddings, for models that do not read one text (Interaction II).
     embed_pairs: PairEmbedFn | None = None
-    lengths: Callable[[list[str]], list[int]] | None = None     # uncut token counts of texts (its tokenizer)
+    # {"query": Cuts, "passage": Cuts}: what the embedding functions encoded and how many texts max_len cut,
+    # counted as they tokenize (None: they do not count)
+    cuts: dict[str, Cuts] | None = None
 
     def key(self) -> str:
         """The embedding cache's model key (computed once)."""
         if callable(self.cache_key):
             self.cache_key = self.cache_key()
         return self.cache_key or self.name
+
+    def reset_cuts(self) -> None:
+        """Count the cut texts afresh (one task's)."""
+        for c in (self.cuts or {}).values():
+            c.reset()
 
     def pair_encoder(self) -> PairEmbedFn:
         """(instructions, queries) -> instruction-aware query embeddings, whatever the interaction."""
@@ -215,20 +224,26 @@ def st_prompts(folder: str) -> tuple[str | None, str | None]:
     return prompts.get("query") or None, prompts.get("document") or prompts.get("passage") or None
 
 
-def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool):
+def side_cuts(qlen: int, plen: int) -> dict[str, Cuts]:
+    """A model's two counts of cut texts, queries at `qlen` tokens and passages at `plen`."""
+    return {"query": Cuts(qlen), "passage": Cuts(plen)}
+
+
+def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool,
+                      cuts: dict[str, Cuts]):
     embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
     params = put(params, replicated(mesh))
     qp, pp = query_params(params), passage_params(params)
-    return (lambda t: embedder(qp, t, qlen, "queries" if progress else None),
-            lambda t: embedder(pp, t, plen, "passages" if progress else None))
+    return (lambda t: embedder(qp, t, qlen, "queries" if progress else None, cuts["query"]),
+            lambda t: embedder(pp, t, plen, "passages" if progress else None, cuts["passage"]))
 
 
-def _pair_embedder(encoder, params, tokenizer, fmt, mesh, batch_size: int, qlen: int):
+def _pair_embedder(encoder, params, tokenizer, fmt, mesh, batch_size: int, qlen: int, cuts: Cuts):
     """Interaction II: (instructions, queries) -> iq, instruction and query encoded apart, then the head
-    (`params["interaction"]`), as in training."""
+    (`params["interaction"]`), as in training; `cuts` counts the queries max_len cuts."""
     embedder = CrossAttentionQueryEmbedder(encoder, mesh, tokenizer, fmt, batch_size)
     params = put(params, replicated(mesh))
-    return lambda ins, qs: embedder(params, list(ins), list(qs), qlen)
+    return lambda ins, qs: embedder(params, list(ins), list(qs), qlen, cuts)
 
 
 def load_model(source: str, *, model_type: str = "auto", step: int | None = None, batch_size: int = 64,
@@ -325,16 +340,17 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress, base=None) 
     qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
     check_lengths(run.base_path, qlen, plen)
     tokenizer = Tokenizer(run.base_path, padding_side=run.encoder.padding_side)
-    eq, ep = _infjax_embedders(run.encoder, run.params, tokenizer, mesh, batch_size, qlen, plen, progress)
+    cuts = side_cuts(qlen, plen)
+    eq, ep = _infjax_embedders(run.encoder, run.params, tokenizer, mesh, batch_size, qlen, plen, progress, cuts)
     interaction = run.config.model.get("interaction", "concat")
     embed_pairs = None
     if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
-        embed_pairs = _pair_embedder(run.encoder, run.params, tokenizer, fmt, mesh, batch_size, qlen)
+        embed_pairs = _pair_embedder(run.encoder, run.params, tokenizer, fmt, mesh, batch_size, qlen, cuts["query"])
     settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={run.config.model.dtype}" \
                f"|len={qlen}/{plen}"
     key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
-                          cache_key=key, embed_pairs=embed_pairs, lengths=tokenizer.lengths)
+                          cache_key=key, embed_pairs=embed_pairs, cuts=cuts)
 
 
 def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress,
@@ -374,12 +390,14 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
     check_lengths(first, qlen, plen)
     tokenizer = Tokenizer(first, padding_side=encoder.padding_side)
-    eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress)
-    embed_pairs = _pair_embedder(encoder, params, tokenizer, fmt, _mesh(mesh), batch_size, qlen) if head else None
+    cuts = side_cuts(qlen, plen)
+    eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress, cuts)
+    embed_pairs = _pair_embedder(encoder, params, tokenizer, fmt, _mesh(mesh), batch_size, qlen,
+                                 cuts["query"]) if head else None
     towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
     key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}{towers}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
     return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, embed_pairs=embed_pairs,
-                          lengths=tokenizer.lengths)
+                          cuts=cuts)
 
 
 def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
@@ -401,19 +419,50 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
         fmt = dataclasses.replace(fmt, passage_prefix=prompts.get("document") or prompts.get("passage"))
     qlen, plen = qlen or q_model.max_seq_length, plen or p_model.max_seq_length
 
-    def embed(model, texts: list[str], max_len: int) -> np.ndarray:
-        model.max_seq_length = max_len
-        out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
-                           convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
+    def embed(model, texts: list[str], cuts: Cuts) -> np.ndarray:
+        model.max_seq_length = cuts.max_len
+        with st_counting(model, cuts, len(texts)):
+            out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
+                               convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
         return np.asarray(out, np.float32)
 
     towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
     key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}{towers}|len={qlen}/{plen}"
-    lengths = lambda t: [len(ids) for ids in q_model.tokenizer(list(t), truncation=False,   # noqa: E731
-                                                               verbose=False)["input_ids"]] if t else []
+    cuts = side_cuts(qlen, plen)
     return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
-                          lambda t: embed(q_model, t, qlen), lambda t: embed(p_model, t, plen), cache_key=key,
-                          lengths=lengths)
+                          lambda t: embed(q_model, t, cuts["query"]), lambda t: embed(p_model, t, cuts["passage"]),
+                          cache_key=key, cuts=cuts)
+
+
+@contextlib.contextmanager
+def st_counting(model, cuts: Cuts, texts: int):
+    """While sentence-transformers encodes `texts` texts with `model`, count into `cuts` those max_len cuts, from
+    its own tokenizer's output for each batch (`preprocess`; `tokenize` in older sentence-transformers), read by
+    `cut_flags`. Where the batches seen do not add up to the texts (a sentence-transformers that tokenizes
+    through another method), the count is unknown, never a guess."""
+    name = "preprocess" if hasattr(type(model), "preprocess") else "tokenize"
+    own = getattr(model, name)
+    seen = Cuts(cuts.max_len)
+
+    def lengths(batch: list[str]) -> list[int]:
+        return [len(ids) for ids in model.tokenizer(list(batch), truncation=False, verbose=False)["input_ids"]]
+
+    def counted(inputs, *args, **kwargs):
+        features = own(inputs, *args, **kwargs)
+        batch = list(inputs)
+        seen.add_flags(cut_flags(features, batch, cuts.max_len, lengths) if all(isinstance(t, str) for t in batch)
+                       else None, len(batch))
+        return features
+
+    setattr(model, name, counted)          # this model's batches only, for this call only
+    try:
+        yield
+    finally:
+        delattr(model, name)
+    if seen.texts != texts:
+        log.warning("sentence-transformers tokenized %d texts through %s.%s for %d encoded: their count of texts "
+                    "cut at %d tokens is unknown", seen.texts, type(model).__name__, name, texts, cuts.max_len)
+    cuts.add(texts, seen.cut_count if seen.texts == texts else None)
 
 
 def _sentence_transformer(source: str, folder: str):

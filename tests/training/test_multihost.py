@@ -138,16 +138,22 @@ def test_default_config_two_processes_train_and_evaluate_like_one(reference, tmp
 @pytest.mark.slow
 def test_evaluate_with_two_processes_equals_one(tmp_path):
     """`infjax.evaluate` of a run (the tiny BERT's) under 2 processes: blocked top-k search over a BEIR fixture,
-    with an embedding cache cold then warm; the metrics, rankings and scores of 1 process, written once."""
+    with an embedding cache cold then warm; the metrics, rankings and scores of 1 process, written once, and its
+    counts of cut texts (each process tokenizes every text and counts its own: they are not added up)."""
     from tests.helpers.tiny import write_run_dir
 
     multi = write_run_dir(tmp_path / "run")
     beir = write_beir(str(tmp_path / "toy"))
     out1, out2, cache = tmp_path / "eval1", tmp_path / "eval2", tmp_path / "cache"
-    assert evaluate.main([f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out1}", "--no_progress"]) == 0
+    lengths = ("--query_max_len=9", "--passage_max_len=34")                  # some texts cut on each side
+    assert evaluate.main([f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out1}", "--no_progress",
+                          *lengths]) == 0
+    cut = json.load(open(out1 / "meta.json"))["tasks"][0]["truncation"]
+    assert cut["queries_cut"] > 0 and cut["passages_cut"] > 0
     for _ in range(2):                          # a cold, then a warm cache: both processes agree on the hits
         logs = _launch(2, "infjax.evaluate", f"--model={multi}", f"--dataset=beir:{beir}", f"--out={out2}",
-                       f"--cache_dir={cache}", "--no_progress", logdir=str(tmp_path / "eval_logs"))
+                       f"--cache_dir={cache}", "--no_progress", *lengths, logdir=str(tmp_path / "eval_logs"))
+        assert json.load(open(out2 / "meta.json"))["tasks"][0]["truncation"] == cut
     assert logs[0].count("embedding cache hit") == 2
     assert "wrote" in logs[0] and "wrote" not in logs[1]      # process 0 reports and writes, process 1 is quiet
     s1, s2 = (json.load(open(o / "summary.json")) for o in (out1, out2))
