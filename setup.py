@@ -41,6 +41,8 @@ setup(
         # infjax.curate's OpenAI-compatible client; parquet output.
         "httpx>=0.27",
         "pyarrow>=14",
+        # The training data's steps assembled ahead of the loop (infjax/data/prefetch.py).
+        "grain>=0.2.18",
     ],
     extras_require={
         # NVIDIA GPUs: jax >= 0.11.1 (Python >= 3.12), the first JAX whose cuDNN packed attention places the keys

@@ -7,6 +7,7 @@ the key named, before anything is loaded or compiled.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_collections
 
@@ -150,6 +151,17 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # shape that holds every step
     c.data.resume_if_changed = False   # resume even if the training data differs from the checkpoint's (its
                                        # fingerprint: record count and content hash); later batches then differ
+    c.data.cache_dir = ""              # where the token cache lives (data/token_store.py): the records' ids,
+                                       # tokenized once per data, tokenizer, lengths and text format, reused by
+                                       # later runs, resumes and every process of the host; a local (or shared)
+                                       # folder, memory-mapped; "" = $INFJAX_CACHE_DIR, else ~/.cache/infjax
+    c.data.tokenize_workers = -1       # processes that tokenize the data once (-1 = one per core, or this
+                                       # process alone for fewer than 20,000 rows; 0 = this process)
+    c.data.step_workers = -1           # processes that assemble steps ahead of the loop (data/prefetch.py):
+                                       # 0 = one background thread of the training process; -1 = as many processes
+                                       # as build a step every 10 ms (measured at start; at most the cores less
+                                       # one), or the thread where that is fewer than two
+    c.data.prefetch = 4                # steps built ahead of the loop at most (their arrays held in memory)
     c.data.synthetic = ml_collections.ConfigDict()
     c.data.synthetic.seed = 0          # generator seed of the synthetic corpus
     c.data.synthetic.num_train = 2000  # training records
@@ -245,7 +257,8 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "train.epochs", "train.nonfinite",
                      "train.max_skipped", "train.stop_grace_s",
-                     "data.resume_if_changed",
+                     "data.resume_if_changed", "data.cache_dir", "data.tokenize_workers", "data.step_workers",
+                     "data.prefetch",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
                      "data.pack_shapes",
@@ -287,6 +300,11 @@ def eval_specs(c: ml_collections.ConfigDict) -> list[str]:
 
 def canary_specs(c: ml_collections.ConfigDict) -> list[str]:
     return _names(c.eval.canary)
+
+
+def _is_url(path: str) -> bool:
+    """An object-store URL (gs://, s3://, ...), as runtime.storage.is_remote reads it."""
+    return bool(re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path))
 
 
 def _check(cond: bool, key: str, value, why: str) -> None:
@@ -360,6 +378,14 @@ def _validate_data(c) -> None:
                "names no split; give one or more comma-separated InF-IR splits (e.g. msmarco)")
     _check(isinstance(c.data.resume_if_changed, bool), "data.resume_if_changed", c.data.resume_if_changed,
            "must be True or False")
+    _check(isinstance(c.data.cache_dir, str) and not _is_url(c.data.cache_dir), "data.cache_dir",
+           c.data.cache_dir, "must be a local folder (the token cache is memory-mapped; the workdir may still be on "
+           "an object store), or empty for $INFJAX_CACHE_DIR or ~/.cache/infjax")
+    for key in ("tokenize_workers", "step_workers"):
+        _check(isinstance(c.data[key], int) and c.data[key] >= -1, f"data.{key}", c.data[key],
+               "must be an integer >= -1 (-1 = chosen for this machine, 0 = this process)")
+    _check(isinstance(c.data.prefetch, int) and c.data.prefetch >= 1, "data.prefetch", c.data.prefetch,
+           "must be an integer >= 1 (steps built ahead of the loop)")
     for key in ("query_max_len", "passage_max_len"):
         _check(8 <= c.data[key] <= 8192, f"data.{key}", c.data[key], "must be in [8, 8192]")
     try:

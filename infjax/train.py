@@ -29,8 +29,8 @@ import jax
 from absl import flags
 
 from infjax import cli, config as config_lib, errors
+from infjax.data import prefetch
 from infjax.data.batches import real_tokens
-from infjax.data.tokenize import Tokenizer
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
@@ -40,8 +40,8 @@ from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
 from infjax.training import console, state as state_lib, workdir as workdir_lib, writers as writers_lib
 from infjax.runtime.restore import saved_steps
-from infjax.training.setup import abstract_global_batch, compiled_train_step, data_fingerprint, \
-    load_training_records, make_batch_setup, make_objective, total_steps, widest_step
+from infjax.training.setup import TrainingData, abstract_global_batch, compiled_train_step, make_batch_setup, \
+    make_objective, open_training_data, total_steps, widest_step
 
 log = logging.getLogger("infjax.train")
 
@@ -269,6 +269,14 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
         if saved_fp is None:
             log.info("checkpoint %s stores no data fingerprint (an older run): the data is not checked",
                      ckpts.step_dir(step))
+        elif saved_fp.get("of") != fingerprint.get("of"):
+            if saved_fp.get("records") != fingerprint["records"] and not config.data.resume_if_changed:
+                raise config_lib.ConfigError(
+                    f"cannot resume from {ckpts.step_dir(step)}: the training data changed since it was saved (then "
+                    f"{saved_fp.get('records')} records, now {fingerprint['records']}); restore the data, or pass "
+                    f"--config.data.resume_if_changed=True to go on with the new data")
+            log.info("checkpoint %s's data fingerprint was computed by an older infjax: only the record count "
+                     "(%d) is compared", ckpts.step_dir(step), fingerprint["records"])
         elif saved_fp != fingerprint:
             if not config.data.resume_if_changed:
                 raise config_lib.ConfigError(
@@ -361,7 +369,7 @@ class RunInputs(NamedTuple):
     encoder: object
     params: dict
     model_path: str
-    records: list[dict]
+    data: TrainingData                # the training records' ids (token cache) and texts
     fingerprint: dict
     objective: object
     specs: list[str]                  # eval.sets
@@ -371,21 +379,21 @@ class RunInputs(NamedTuple):
 def read_inputs(config) -> RunInputs:
     """The model, the training data and the evaluation sets: files are read here, a bad one fails in seconds."""
     encoder, params, model_path = load_encoder(config.model, seed=config.train.seed)
-    # The data is compared as the model reads it (a negative, a duplicate): with the model's tokenizer.
-    records = load_training_records(config.data, Tokenizer(model_path) if config.data.source != "synthetic" else None)
+    # Tokenized once (or read from the token cache); the data is compared as the model reads it (a negative, a
+    # duplicate): by its token ids.
+    data = open_training_data(config, model_path, encoder.padding_side)
     specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
     preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []),
             synthetic_defaults=config.data.synthetic.to_dict())
-    return RunInputs(encoder, params, model_path, records, data_fingerprint(records), make_objective(config), specs,
-                     canaries)
+    return RunInputs(encoder, params, model_path, data, data.fingerprint, make_objective(config), specs, canaries)
 
 
 def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
-    encoder, params, model_path, records, fingerprint, objective, specs, canaries = inputs
+    encoder, params, model_path, data, fingerprint, objective, specs, canaries = inputs
     del inputs
-    setup = make_batch_setup(config, records, encoder, model_path, objective)
+    setup = make_batch_setup(config, data, encoder, model_path, objective)
     steps = total_steps(config, setup.plan)
-    log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(records),
+    log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(data.store),
              setup.build.global_rows, setup.plan.steps_per_epoch, steps)
 
     # Mesh, sharded state, compiled step.
@@ -565,10 +573,24 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                     f"--config.train.nonfinite=skip skips such steps instead.")
         unchecked.clear()
 
+    workers, why = prefetch.choose_workers(build, config.data.step_workers, start, steps)
+    stream = prefetch.StepStream(build, start, steps, workers, config.data.prefetch)
+    if start < steps:
+        log.info("data: %s (%s)", stream.describe(), why)
+    cut, texts, grown, waited_at_log = {}, {}, set(), 0.0
     with preemption or Preemption() as preemption, console.progress(range(start, steps), start, steps,
-                                                      enabled=jax.process_index() == 0) as progress:
+                                                      enabled=jax.process_index() == 0) as progress, \
+            stream as step_batches:
         for step in progress:
-            host_batch = build(step)
+            built, host_batch, info = next(step_batches)   # the time spent here is the loop waiting for data
+            assert built == step, (built, step)
+            for side, n in info["texts"].items():
+                texts[side] = texts.get(side, 0) + n
+            for side, n in info["cut"].items():
+                cut[side] = cut.get(side, 0) + n
+            if info["grown"] is not None and info["grown"] not in grown:
+                log.warning("%s", info["grown"])
+                grown.add(info["grown"])
             tokens_since += real_tokens(host_batch)    # this process's rows, counted on the host: no device sync
             state, metrics = train_step(state, mesh_lib.global_batch(host_batch, mesh))
             rows_since += build.global_rows
@@ -585,11 +607,13 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 now = time.perf_counter()
                 metrics["examples_per_s"] = rows_since / (now - t_last)
                 metrics["real_tokens_per_s"] = distributed.sum_over_processes(tokens_since) / (now - t_last)
-                t_last, rows_since, tokens_since = now, 0, 0
+                metrics["data_wait_share"] = (stream.waited - waited_at_log) / (now - t_last)
+                t_last, rows_since, tokens_since, waited_at_log = now, 0, 0, stream.waited
                 losses_seen.append((done, metrics["loss"]))
-                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s  %.0f real tokens/s",
-                         done, steps, metrics["loss"], metrics["learning_rate"], metrics["grad_norm"],
-                         metrics["examples_per_s"], metrics["real_tokens_per_s"])
+                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s  %.0f real tokens/s  "
+                         "data wait %.0f%%", done, steps, metrics["loss"], metrics["learning_rate"],
+                         metrics["grad_norm"], metrics["examples_per_s"], metrics["real_tokens_per_s"],
+                         100 * metrics["data_wait_share"])
                 if metrics["skipped_steps"] > skipped_logged:
                     log.warning("%d step(s) skipped so far for a non-finite loss or gradient",
                                 metrics["skipped_steps"])
@@ -614,6 +638,12 @@ def train_loop(config, state, train_step, setup, mesh, ckpts, start: int, steps:
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:
                 break
+    if stream.built:
+        whose = "texts" if jax.process_count() == 1 else "this process's texts"
+        cuts = ", ".join(f"{side} {cut[side]} of {texts[side]} ({100 * cut[side] / max(texts[side], 1):.1f}%, at "
+                         f"{build.max_len(side)} tokens)" for side in sorted(cut))
+        log.info("data: steps %d-%d waited %.1f s for their batches in all%s", start + 1, start + stream.built,
+                 stream.waited, f"; {whose} cut at their max length: {cuts}" if cuts else "")
     return LoopResult(state, losses_seen, preempted, last_canary if int(state.step) == steps else {})
 
 

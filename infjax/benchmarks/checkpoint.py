@@ -39,7 +39,8 @@ def main(argv: list[str]) -> None:
     config_lib.validate(c, jax.device_count())
     encoder, params, path = load_encoder(c.model)
     objective = setup_lib.make_objective(c)
-    batch_setup = setup_lib.make_batch_setup(c, setup_lib.load_training_records(c.data), encoder, path, objective)
+    data = setup_lib.open_training_data(c, path, encoder.padding_side)
+    batch_setup = setup_lib.make_batch_setup(c, data, encoder, path, objective)
     plan, build = batch_setup.plan, batch_setup.build
     mesh = mesh_lib.make_mesh(c.mesh)
     total = args.steps + 3

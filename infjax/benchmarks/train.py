@@ -13,12 +13,14 @@ temperature 0.05, AdamW, clipping 1.0, dynamic padding to the batch's longest
 text) in a child process and prints both rows/s, their ratio and both peak memories.
 
 Throughput mode builds the run's sharded state and compiled step exactly as `infjax.train`
-does, tokenizes the batches up front (outside the timing), runs --warmup steps, then times
+does, builds the batches up front (outside the timing), runs --warmup steps, then times
 --steps steps and prints examples (rows)/s, tokens/s (padded and real) and model-FLOPs
 utilization: the step's model FLOPs per device, counted from the model's shapes and the real texts of the
 batch (benchmarks/flops.py; XLA's `cost_analysis()` is printed beside it: it counts a scanned layer once
 and kernels as free), divided by the step time and the device's peak bf16 FLOP/s (table below;
---peak_flops overrides; n/a on CPU).
+--peak_flops overrides; n/a on CPU). Then the same steps run as infjax.train's loop runs them
+(`real_loop`: batches from the run's pipeline, dispatched without waiting) and a line gives that
+step time and the share spent waiting for data, beside the device-only step.
 
 Sweep mode compiles (without running) the step for each global batch size in rows, with
 gradient caching off and with train.chunk_size=--sweep_chunk, and prints the per-device peak
@@ -38,6 +40,7 @@ from absl import flags
 from infjax import cli, config as config_lib, errors
 from infjax.benchmarks import flops as flops_lib, shapes as bench_shapes, torch_loop
 from infjax.benchmarks.shapes import inf_ir_shaped_records
+from infjax.data import prefetch
 from infjax.data.batches import real_tokens
 from infjax.models import remat as remat_lib
 from infjax.models.encoder import load_encoder, query_params
@@ -111,9 +114,9 @@ class Setup:
         config_lib.validate(config, len(devices), jax.process_count())
         self.config = config
         self.encoder, params, path = load_encoder(config.model, weights=weights)
-        self.records = records if records is not None else setup_lib.load_training_records(config.data)
+        self.data = setup_lib.open_training_data(config, path, self.encoder.padding_side, records=records)
         self.objective = setup_lib.make_objective(config)
-        batch_setup = setup_lib.make_batch_setup(config, self.records, self.encoder, path, self.objective,
+        batch_setup = setup_lib.make_batch_setup(config, self.data, self.encoder, path, self.objective,
                                                  num_devices=len(devices))
         self.plan, self.build = batch_setup.plan, batch_setup.build
         self.mesh = mesh_lib.make_mesh(config.mesh, devices)
@@ -211,6 +214,7 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
         times.append(time.perf_counter() - t0)
     seconds = float(np.median(times))
     rows = setup.build.global_rows
+    loop = real_loop(setup, compiled, state, warmup, steps)
     timed = batches[warmup:]
     model = setup.encoder
     flops = float(np.mean([flops_lib.step_flops(query_params(setup.params), model.module.config,
@@ -229,7 +233,32 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
             "mfu": (flops / seconds / peak) if peak and flops else None,
             "peak_memory_per_device_bytes": max(peak_bytes(c) for c in compiled.values()),
             "real_share": real / padded, "tokens_per_step": padded, "real_tokens_per_step": real,
-            "step_times": times, "setup": setup}
+            "step_times": times, "loop": loop, "setup": setup}
+
+
+def real_loop(setup: Setup, compiled: dict, state, start: int, steps: int) -> dict:
+    """Steps start+1 .. start+steps-1 as infjax.train's loop runs them: each batch assembled by the run's
+    pipeline (data/prefetch.py, its workers chosen as a run chooses them), put on the devices and dispatched
+    without waiting, the last one waited for. {"step_s": wall time per step, "examples_per_s", "data_wait_share":
+    the time spent waiting for batches, "pipeline": what assembled them}. The first batch (the workers' start)
+    is taken before the clock."""
+    c = setup.config
+    workers, why = prefetch.choose_workers(setup.build, c.data.step_workers, start, start + steps)
+    stream = prefetch.StepStream(setup.build, start, start + steps, workers, c.data.prefetch)
+    with stream as batches:
+        _, host, _ = next(batches)
+        jax.block_until_ready(state)
+        waited, t0 = stream.waited, time.perf_counter()
+        metrics = None
+        for _ in range(steps - 1):
+            _, host, _ = next(batches)
+            b = mesh_lib.global_batch(host, setup.mesh)
+            state, metrics = compiled[_shape(b)](state, b)
+        jax.block_until_ready((state, metrics))
+        seconds = (time.perf_counter() - t0) / max(steps - 1, 1)
+        waited = stream.waited - waited
+    return {"step_s": seconds, "examples_per_s": setup.build.global_rows / seconds,
+            "data_wait_share": waited / max(seconds * (steps - 1), 1e-9), "pipeline": f"{stream.describe()} ({why})"}
 
 
 def sweep(config, rows_list: list[int], chunk: int) -> list[dict]:
@@ -384,6 +413,10 @@ def main(argv: list[str]) -> None:
     print(f"step {r['step_s'] * 1e3:.1f} ms (median of {fv.steps})  {r['examples_per_s']:.1f} examples/s  "
           f"{r['tokens_per_s_padded']:.0f} tokens/s in buffers ({r['tokens_per_s_real']:.0f} real; real share "
           f"{100 * r['real_share']:.0f}%)")
+    loop = r["loop"]
+    print(f"real loop (batches from the run's pipeline, {loop['pipeline']}): step {loop['step_s'] * 1e3:.1f} ms "
+          f"(mean of {fv.steps - 1})  {loop['examples_per_s']:.1f} examples/s  data wait "
+          f"{100 * loop['data_wait_share']:.0f}%")
     mfu = "n/a (no peak FLOP/s for this device; pass --peak_flops)" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     print(f"{r['flops_per_step_per_device'] / 1e9:.1f} GFLOP per step per device (model FLOPs of the real texts, "
           f"benchmarks/flops.py; XLA's cost_analysis says {r['compiled_flops_per_step_per_device'] / 1e9:.1f}); "

@@ -1,9 +1,17 @@
-"""Deterministic global batches of training rows, each host building only its slice.
+"""Assemble a step: this host's slice of the global batch, as numpy arrays, from the token store.
 
 The batch at a given step is a pure function of (seed, step): the record
 order of epoch e is a permutation drawn from (seed, e), and the instruction
 negatives of a step are drawn from (seed, step). The data-iterator position
-is therefore just the step, which makes resuming exact.
+is therefore just the step, which makes resuming exact, and any worker can
+build any step (data/prefetch.py builds them ahead of the loop).
+
+A step's texts are assembled from the ids of data/token_store.py, not
+tokenized: an instruction-aware query is the special tokens, the template's
+constant ids and its two fields' ids, cut at query_max_len, as the tokenizer
+makes the whole text (checked on every query of the data when the store was
+built). Where that does not hold (`TokenStore.exact` False), each step's
+texts are tokenized as the step is built (`Texts`), the old way.
 
 A batch is padded (each text padded to its side's max length: `q_ids`,
 `q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
@@ -14,22 +22,32 @@ every step of the run, or a sample of 512 spread over a longer one
 (`measure_shapes`): per side a row length, the most texts a row holds (rounded
 up to a power of two), and a few sets of row counts, each step packed into the
 cheapest set that holds it (one compiled train step per set). A step outside
-the sample is fitted as it is built, the shapes growing if none holds it.
+the sample is fitted as it is built, from the measured shapes alone (so that
+it is the same whoever builds it, whatever was built before), a further shape
+where none holds it.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 
 from infjax.data import packing
-from infjax.data.inf_ir import flatten_record, flatten_record_no_hard_negatives
+from infjax.data.token_store import FIELDS, I_NEG, I_POS, P_NEG1, P_NEG2, P_POS, Q_NEG, Q_POS, TokenStore
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 
 log = logging.getLogger("infjax.data")
+
+# The three rows of a record, in order: (I+, Q+, P+), (I-, Q+, P1-), (I+, Q-, P2-) (docs/method.md §1.1); the
+# field of each row's instruction, query and passage, and which of the record's instructions (0: I+, 1: I-).
+ROW_INSTRUCTION = np.array([I_POS, I_NEG, I_POS])
+ROW_QUERY = np.array([Q_POS, Q_POS, Q_NEG])
+ROW_PASSAGE = np.array([P_POS, P_NEG1, P_NEG2])
+ROW_OWN = np.array([0, 1, 0])
 
 
 def rows_per_record(hard_negatives: bool) -> int:
@@ -77,41 +95,59 @@ def _epoch_order(seed: int, epoch: int, num_records: int) -> np.ndarray:
 class InstructionNegativeSampler:
     """K instruction negatives per row, drawn from the whole record pool (docs/method.md §1.5).
 
-    The pool is the set of distinct instruction texts (I+ and I-) of all
-    records; a row never gets an instruction whose text equals its own.
-    Draws depend only on (seed, step), so every host draws the same.
+    The pool is the set of distinct instruction texts (I+ and I-) of all records (`TokenStore.pool`); a row
+    never gets an instruction whose text equals its own. The draws of a step are one generator's, seeded by
+    (seed, step), for every row of the global batch at once (Floyd's algorithm, vectorized over rows: each
+    row gets K distinct instructions, every K-subset equally likely), so every host draws the same at a cost
+    that does not grow with the number of hosts.
     """
 
-    def __init__(self, records: list[dict], k: int, seed: int):
-        texts = dict.fromkeys(t for r in records for t in (r["instruction_positive"], r["instruction_negative"]))
-        self.pool = list(texts)
-        self.index = {t: i for i, t in enumerate(self.pool)}
-        self.k, self.seed = k, seed
+    def __init__(self, pool_size: int, k: int, seed: int):
+        self.pool_size, self.k, self.seed = pool_size, k, seed
         if k < 0:
             raise ConfigError(f"config.loss.instruction_negatives={k}: must be >= 0")
-        if k > len(self.pool) - 1:
-            raise ConfigError(f"config.loss.instruction_negatives={k}: the data has only {len(self.pool)} distinct "
-                              f"instructions ({len(self.pool) - 1} candidates per row)")
+        if k > pool_size - 1:
+            raise ConfigError(f"config.loss.instruction_negatives={k}: the data has only {pool_size} distinct "
+                              f"instructions ({pool_size - 1} candidates per row)")
 
-    def sample(self, step: int, instructions: list[str]) -> list[list[str]]:
+    def draw(self, step: int, own: np.ndarray) -> np.ndarray:
+        """[rows, K] pool indices for rows whose own instructions are the pool indices `own` [rows]."""
         rng = np.random.default_rng([self.seed, 7, step])
-        out = []
-        for text in instructions:
-            own = self.index[text]
-            draw = rng.choice(len(self.pool) - 1, size=self.k, replace=False)
-            draw = draw + (draw >= own)                      # skip the row's own instruction
-            out.append([self.pool[j] for j in draw])
-        return out
+        rows, k, candidates = len(own), self.k, self.pool_size - 1
+        out = np.zeros((rows, k), np.int64)
+        for j in range(k):                            # Floyd: t in [0, hi]; a value drawn before stands for hi
+            hi = candidates - k + j
+            t = rng.integers(0, hi + 1, size=rows)
+            taken = (out[:, :j] == t[:, None]).any(axis=1)
+            out[:, j] = np.where(taken, hi, t)
+        return out + (out >= np.asarray(own)[:, None])     # skip the row's own instruction
+
+
+@dataclasses.dataclass(frozen=True)
+class Texts:
+    """The records as text, for what needs the texts themselves: a store whose ids cannot be assembled
+    (`TokenStore.exact` False: each step is tokenized as it is built), and `BatchBuilder.side_texts`."""
+
+    records: Sequence[dict]          # the training records (as `TokenStore` numbers them)
+    tokenizer: Tokenizer
+    fmt: TextFormat
+
+
+@dataclasses.dataclass
+class Side:
+    """The texts of one encoder input of a step: every text's ids one after another, and their lengths."""
+
+    flat: np.ndarray                 # int32 ids
+    lengths: np.ndarray              # [T] int64
+    cut: np.ndarray | None = None    # [T] bool: the text was longer than its max length (None: not known)
 
 
 @dataclasses.dataclass
 class BatchBuilder:
     """Turns a step into this host's slice of the global batch, as numpy arrays."""
 
-    records: list[dict]
+    store: TokenStore
     plan: BatchPlan
-    tokenizer: Tokenizer
-    fmt: TextFormat
     query_max_len: int
     passage_max_len: int
     hard_negatives: bool = True
@@ -126,15 +162,21 @@ class BatchBuilder:
     pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
     chunks: dict[str, int] | None = None          # side -> gradient-caching chunks, each packed apart (None: off)
     fixed_sides: tuple[str, ...] = ()             # sides whose rows the config fixes (never fitted nor grown)
+    padding_side: str = "right"     # padded batches: where the pad ids go (decoders: left)
+    texts: Texts | None = None      # the records as text (required when the store is not exact)
+
+    def __post_init__(self):
+        made = self.store.meta["encoding"]
+        if (made["query_max_len"], made["passage_max_len"]) != (self.query_max_len, self.passage_max_len):
+            raise ValueError(f"the token store was made for max lengths {made['query_max_len']}/"
+                             f"{made['passage_max_len']}, the builder asks for {self.query_max_len}/"
+                             f"{self.passage_max_len}")
+        if not self.store.exact and self.texts is None:
+            raise ValueError("a token store whose ids cannot be assembled needs the records as text (texts=)")
 
     @property
     def global_rows(self) -> int:
         return self.plan.batch_size * rows_per_record(self.hard_negatives)
-
-    def rows(self, step: int) -> list[tuple[str, str, str]]:
-        """All (instruction, query, passage) rows of the global batch, record-major."""
-        flat = flatten_record if self.hard_negatives else flatten_record_no_hard_negatives
-        return [row for i in self.plan.record_indices(step) for row in flat(self.records[i])]
 
     def local_slice(self) -> slice:
         n = self.global_rows // self.process_count
@@ -146,6 +188,48 @@ class BatchBuilder:
     def pack_length(self, side: str) -> int:
         return (self.pack_lengths or {}).get("passage" if side == "p" else "query") or self.max_len(side)
 
+    def sides(self) -> tuple[str, ...]:
+        if self.interaction == "cross_attention":
+            return ("i", "qo", "p")
+        return ("q", "p", "n") if self.sampler is not None and self.sampler.k else ("q", "p")
+
+    # --- which texts a step holds
+    def _rows(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The global batch's rows: (training record, row kind 0/1/2, own instruction's pool index), record-major."""
+        per = rows_per_record(self.hard_negatives)
+        records = np.asarray(self.plan.record_indices(step), np.int64)
+        record = np.repeat(records, per)
+        kind = np.tile(np.arange(per), len(records))
+        own = np.asarray(self.store.own[record, ROW_OWN[kind]], np.int64)
+        return record, kind, own
+
+    def _negatives(self, step: int, own: np.ndarray) -> np.ndarray | None:
+        if self.interaction == "cross_attention" or self.sampler is None or not self.sampler.k:
+            return None
+        return self.sampler.draw(step, own)
+
+    def groups(self, own: np.ndarray) -> np.ndarray:
+        """Interaction II: each row's instruction as a group id, numbered by first occurrence in the batch."""
+        _, first, inverse = np.unique(own, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), np.int32)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int32)
+        return rank[np.asarray(inverse).reshape(-1)]
+
+    def rows(self, step: int) -> list[tuple[str, str, str]]:
+        """All (instruction, query, passage) rows of the global batch as text, record-major."""
+        records = self._text().records
+        record, kind, _ = self._rows(step)
+        out = []
+        for r, k in zip(record.tolist(), kind.tolist()):
+            rec = records[r]
+            out.append((rec[FIELDS[ROW_INSTRUCTION[k]]], rec[FIELDS[ROW_QUERY[k]]], rec[FIELDS[ROW_PASSAGE[k]]]))
+        return out
+
+    def _text(self) -> Texts:
+        if self.texts is None:
+            raise ValueError("this builder was made without the records as text (texts=)")
+        return self.texts
+
     def side_texts(self, step: int, local: bool = True) -> tuple[dict[str, list[str]], np.ndarray | None]:
         """The encoder inputs of a step as texts: side -> texts in row order (this process's rows, or all
         with local=False), plus the instruction groups of Interaction II (None under Interaction I).
@@ -153,63 +237,186 @@ class BatchBuilder:
         Sides: "q" (template(I, Q)), "p" (passages), "n" (the K instruction negatives of each row,
         row-major) under Interaction I; "i" (instructions), "qo" (queries) and "p" under Interaction II.
         """
+        text = self._text()
+        fmt, records = text.fmt, text.records
         rows = self.rows(step)
+        record, kind, own = self._rows(step)
         sl = self.local_slice() if local else slice(None)
         if self.interaction == "cross_attention":
-            text_ids = {t: i for i, t in enumerate(dict.fromkeys(r[0] for r in rows))}
-            groups = np.array([text_ids[r[0]] for r in rows], np.int32)[sl]
             rows = rows[sl]
-            return {"i": [self.fmt.alone(i) for i, _, _ in rows], "qo": [self.fmt.alone(q) for _, q, _ in rows],
-                    "p": [self.fmt.passage(p) for _, _, p in rows]}, groups
-        negatives = self.sampler.sample(step, [r[0] for r in rows]) if self.sampler and self.sampler.k else None
+            return {"i": [fmt.alone(i) for i, _, _ in rows], "qo": [fmt.alone(q) for _, q, _ in rows],
+                    "p": [fmt.passage(p) for _, _, p in rows]}, self.groups(own)[sl]
+        negatives = self._negatives(step, own)
         rows = rows[sl]
-        texts = {"q": [self.fmt.query(i, q) for i, q, _ in rows], "p": [self.fmt.passage(p) for _, _, p in rows]}
+        texts = {"q": [fmt.query(i, q) for i, q, _ in rows], "p": [fmt.passage(p) for _, _, p in rows]}
         if negatives is not None:
-            texts["n"] = [self.fmt.query(ins, q) for (_, q, _), negs in zip(rows, negatives[sl]) for ins in negs]
+            pool = np.asarray(self.store.pool)
+            texts["n"] = [fmt.query(records[int(pool[j]) // 7][FIELDS[int(pool[j]) % 7]], q)
+                          for (_, q, _), draws in zip(rows, negatives[sl]) for j in draws]
         return texts, None
 
+    # --- the ids of a step's texts
+    def side_ids(self, step: int, local: bool = True, ids: bool = True) -> tuple[dict[str, Side], np.ndarray | None]:
+        """The encoder inputs of a step as ids: side -> `Side` (texts in `side_texts`' order), and the groups of
+        Interaction II. With ids=False, only the lengths (and what was cut): what measuring shapes needs."""
+        if not self.store.exact:
+            return self._tokenized(step, local)
+        record, kind, own = self._rows(step)
+        sl = self.local_slice() if local else slice(None)
+        groups = self.groups(own)[sl] if self.interaction == "cross_attention" else None
+        negatives = self._negatives(step, own)
+        store_rows = np.asarray(self.store.kept[record[sl]], np.int64)
+        kind = kind[sl]
+        assemble = functools.partial(assemble_texts, self.store, ids=ids)
+        if self.interaction == "cross_attention":
+            return {"i": assemble([(store_rows, ROW_INSTRUCTION[kind])]),
+                    "qo": assemble([(store_rows, ROW_QUERY[kind])]),
+                    "p": assemble([(store_rows, ROW_PASSAGE[kind])])}, groups
+        out = {"q": self._queries(store_rows, ROW_INSTRUCTION[kind], store_rows, ROW_QUERY[kind], ids),
+               "p": assemble([(store_rows, ROW_PASSAGE[kind])])}
+        if negatives is not None:
+            pool = np.asarray(self.store.pool[negatives[sl].reshape(-1)], np.int64)       # row-major, K per row
+            k = negatives.shape[1]
+            out["n"] = self._queries(np.asarray(self.store.kept[pool // 7], np.int64), pool % 7,
+                                     np.repeat(store_rows, k), np.repeat(ROW_QUERY[kind], k), ids)
+        return out, groups
+
+    def _queries(self, i_rows, i_fields, q_rows, q_fields, ids: bool) -> Side:
+        """template(I, Q) of each (instruction piece, query piece): the constants and the two fields in the
+        template's order."""
+        by_role = {"instruction": (i_rows, i_fields), "query": (q_rows, q_fields)}
+        first, second = (by_role[name] for name in self.store.meta["query_order"])
+        return assemble_texts(self.store, [first, second], ids=ids, constants=True)
+
+    def _tokenized(self, step: int, local: bool) -> tuple[dict[str, Side], np.ndarray | None]:
+        """A step's ids the old way: its texts tokenized now (a store whose ids cannot be assembled)."""
+        texts, groups = self.side_texts(step, local)
+        tokenizer = self._text().tokenizer
+        out = {}
+        for side, t in texts.items():
+            tokens = tokenizer.tokens(t, self.max_len(side))
+            lengths = np.fromiter((len(x) for x in tokens), np.int64, len(tokens))
+            out[side] = Side(np.concatenate(tokens).astype(np.int32) if tokens else np.zeros(0, np.int32), lengths)
+        return out, groups
+
+    # --- the batch
     def __call__(self, step: int) -> dict:
-        texts, groups = self.side_texts(step)
+        return self.assemble(step)[0]
+
+    def assemble(self, step: int) -> tuple[dict, dict]:
+        """(this process's batch of `step`, what the loop reports of it: {"texts": {side: n}, "cut": {side: n}
+        (texts longer than their max length; absent where not known), "grown": a note when the step needed a
+        shape the measurement did not give, else None})."""
+        sides, groups = self.side_ids(step)
+        info = {"texts": {s: len(v.lengths) for s, v in sides.items()},
+                "cut": {s: int(v.cut.sum()) for s, v in sides.items() if v.cut is not None}, "grown": None}
         if self.capacities is not None:
             capacities = self.shapes.at(step) if self.shapes is not None else self.capacities
-            tokens = {side: self.tokenizer.tokens(t, self.max_len(side)) for side, t in texts.items()}
             if capacities is None:               # a step the shapes were not measured over: fitted now
-                capacities = self._fit(step, tokens)
+                capacities, info["grown"] = self._fit(step, sides)
             batch = {}
-            for side, t in tokens.items():
+            for side, v in sides.items():
                 try:
-                    batch[side] = packing.pack(t, self.shards, capacities[side], self.tokenizer.pad_id,
-                                               f"step {step}, side {side!r}", (self.chunks or {}).get(side))
+                    batch[side] = packing.pack_flat(v.flat, v.lengths, self.shards, capacities[side], self.store.pad_id
+                                                    if self.store.exact else self._text().tokenizer.pad_id,
+                                                    f"step {step}, side {side!r}", (self.chunks or {}).get(side))
                 except packing.PackingOverflow as e:
                     key = (self.capacity_keys or {}).get(side, "the packing capacity")
                     raise packing.PackingOverflow(f"{e}; raise {key} (0 = measured over the run)") from None
         else:
             batch = {}
-            for side, t in texts.items():
-                ids, mask = self.tokenizer(t, self.max_len(side))
+            pad = self.store.pad_id if self.store.exact else self._text().tokenizer.pad_id
+            for side, v in sides.items():
+                ids, mask = packing.pad_flat(v.flat, v.lengths, self.max_len(side), pad, self.padding_side == "left")
                 if side == "n":
-                    ids, mask = (x.reshape(len(texts["q"]), self.sampler.k, -1) for x in (ids, mask))
+                    ids, mask = (x.reshape(len(sides["q"].lengths), self.sampler.k, -1) for x in (ids, mask))
                 batch[f"{side}_ids"], batch[f"{side}_mask"] = ids, mask
         if groups is not None:
             batch["i_group"] = groups
-        return batch
+        return batch, info
 
-    def _fit(self, step: int, local_tokens: dict[str, list[np.ndarray]]) -> dict[str, packing.Capacity]:
+    def _fit(self, step: int, local: dict[str, Side]) -> tuple[dict[str, packing.Capacity], str | None]:
         """The capacities of a step that was not measured, from the token counts of its whole global batch (every
-        process counts the same texts, so all choose, and grow, alike); a shape that grows is logged once."""
+        process counts the same texts, so all choose alike), and a note when it needs more than the measured
+        shapes give (None otherwise). A pure function of the step and the measured shapes."""
         if self.process_count == 1:
-            counts = {side: [len(t) for t in tokens] for side, tokens in local_tokens.items()}
+            counts = {side: v.lengths for side, v in local.items()}
         else:
-            texts, _ = self.side_texts(step, local=False)
-            counts = {side: [len(t) for t in self.tokenizer.tokens(t, self.max_len(side))]
-                      for side, t in texts.items()}
-        counts = {side: c for side, c in counts.items() if side not in (self.fixed_sides or ())}
+            counts = {side: v.lengths for side, v in self.side_ids(step, local=False, ids=False)[0].items()}
+        counts = {side: c.tolist() for side, c in counts.items() if side not in (self.fixed_sides or ())}
         shapes, capacities, note = self.shapes.fit(counts, self.shards * self.process_count, self.chunks)
         if note is not None:
-            log.warning("packing: step %d does not fit the shapes measured over %d sampled steps: %s (compiled "
-                        "once more)", step, len(self.shapes.measured()), note)
-            self.shapes, self.capacities = shapes, shapes.capacities(shapes.largest)
-        return capacities
+            note = (f"packing: step {step} does not fit the shapes measured over {len(self.shapes.measured())} "
+                    f"sampled steps: {note} (compiled once more)")
+        return capacities, note
+
+
+def assemble_texts(store: TokenStore, pieces: list[tuple[np.ndarray, np.ndarray]], ids: bool = True,
+                   constants: bool = False) -> Side:
+    """Texts made of store pieces: each text is the special tokens around the concatenation of its pieces
+    (`pieces`: one (clean records, fields) pair per piece, arrays of one length), with the template's constant
+    ids around and between them (`constants`: head, piece, middle, piece, tail), cut at its side's length."""
+    table = _constants_table(store) if constants else {}
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (start, kept length, uncut length) per segment
+    count = len(pieces[0][0])
+    n_store = len(store.tokens)
+
+    def constant(name: str) -> None:
+        if table[name][1]:           # addressed past the store's ids: `n_store + offset` in the table
+            offset, length = table[name]
+            parts.append((np.full(count, n_store + offset, np.int64), np.full(count, length, np.int64),
+                          np.full(count, length, np.int64)))
+
+    for n, (records, fields) in enumerate(pieces):
+        if constants:
+            constant(("head", "middle")[n])
+        records, fields = np.asarray(records, np.int64), np.asarray(fields, np.int64)
+        parts.append((store.starts(records, fields), np.asarray(store.length[records, fields], np.int64),
+                      np.asarray(store.uncut[records, fields], np.int64)))
+    if constants:
+        constant("tail")
+    cap = store.cap(int(np.asarray(pieces[0][1]).reshape(-1)[0]) if count else 0)
+    kept = np.stack([p[1] for p in parts], axis=1)                      # [T, S]
+    before = np.cumsum(kept, axis=1) - kept
+    kept = np.clip(cap - before, 0, kept)
+    uncut = sum(p[2] for p in parts)
+    pre, post = store.pre, store.post
+    lengths = kept.sum(axis=1) + len(pre) + len(post)
+    cut = uncut > cap
+    if not ids:
+        return Side(np.zeros(0, np.int32), lengths, cut)
+    starts = np.stack([p[0] for p in parts], axis=1)                    # [T, S]
+    seg_len = kept.reshape(-1)
+    total = int(seg_len.sum())
+    seg_out = np.cumsum(seg_len) - seg_len                              # where each segment lands in `content`
+    src = np.repeat(starts.reshape(-1) - seg_out, seg_len) + np.arange(total)
+    if table and src.size and src.max() >= n_store:
+        content = np.empty(total, np.int32)
+        inside = src < n_store
+        content[inside] = store.tokens[src[inside]]
+        content[~inside] = np.asarray(store.constants["head"] + store.constants["middle"] + store.constants["tail"],
+                                      np.int32)[src[~inside] - n_store]
+    else:
+        content = np.asarray(store.tokens[src], np.int32)
+    if not pre and not post:
+        return Side(content, lengths, cut)
+    flat = np.empty(int(lengths.sum()), np.int32)
+    text_start = np.cumsum(lengths) - lengths
+    body = kept.sum(axis=1)
+    for j, token in enumerate(pre):
+        flat[text_start + j] = token
+    for j, token in enumerate(post):
+        flat[text_start + len(pre) + body + j] = token
+    inside = np.repeat(text_start + len(pre) - (np.cumsum(body) - body), body) + np.arange(total)
+    flat[inside] = content
+    return Side(flat, lengths, cut)
+
+
+def _constants_table(store: TokenStore) -> dict[str, tuple[int, int]]:
+    """name -> (offset, length) of the template's constants in head + middle + tail."""
+    c = store.constants
+    return {"head": (0, len(c["head"])), "middle": (len(c["head"]), len(c["middle"])),
+            "tail": (len(c["head"]) + len(c["middle"]), len(c["tail"]))}
 
 
 def real_tokens(batch: dict) -> int:
@@ -254,28 +461,28 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     `span`: the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of
     for the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
     measured: those sides keep those rows in every shape. Every process measures the global batches, so all
-    agree on the shapes. Texts are tokenized once each.
+    agree on the shapes. The lengths come from the token store (no text is tokenized); one line says how many
+    texts of the sample each side cuts at its max length.
     """
     fixed_rows = fixed_rows or {}
     measured = sampled_steps(steps, most or MEASURED_STEPS)
-    if len(measured) < len(steps):
-        log.info("packing: measuring the packed shapes over %d of the run's %d steps (the others are fitted as "
-                 "they are built)", len(measured), len(steps))
-    lengths_of: dict[tuple[str, str], int] = {}
-    per_step: dict[str, list[list[int]]] = {}
-    for step in measured.tolist():
-        texts, _ = build.side_texts(step, local=False)
-        if set(texts) <= set(fixed_rows):          # every side's rows are fixed: nothing to measure
-            per_step = {side: [] for side in texts}
-            break
-        for side, batch_texts in texts.items():
-            if side in fixed_rows:
-                per_step.setdefault(side, [])
-                continue
-            new = [t for t in dict.fromkeys(batch_texts) if (side, t) not in lengths_of]
-            for t, ids in zip(new, build.tokenizer.tokens(new, build.max_len(side))):
-                lengths_of[(side, t)] = len(ids)
-            per_step.setdefault(side, []).append([lengths_of[(side, t)] for t in batch_texts])
+    log.info("packing: measuring the packed shapes over %d of the run's %d steps%s", len(measured), len(steps),
+             " (the others are fitted as they are built)" if len(measured) < len(steps) else "")
+    per_step: dict[str, list[list[int]]] = {side: [] for side in build.sides()}
+    cut = {side: [0, 0] for side in build.sides()}
+    if not set(build.sides()) <= set(fixed_rows):          # else every side's rows are fixed: nothing to measure
+        for step in measured.tolist():
+            sides, _ = build.side_ids(step, local=False, ids=False)
+            for side, v in sides.items():
+                if v.cut is not None:
+                    cut[side][0] += int(v.cut.sum())
+                    cut[side][1] += len(v.cut)
+                if side not in fixed_rows:
+                    per_step[side].append(v.lengths.tolist())
+    if any(n for _, n in cut.values()):
+        log.info("texts cut at their max length over the %d sampled steps: %s", len(measured), ", ".join(
+            f"{side} {c} of {n} ({100 * c / max(n, 1):.1f}%, at {build.max_len(side)} tokens)"
+            for side, (c, n) in cut.items() if n))
     sides = sorted(per_step)
     lengths, needs, texts = {}, [], {}
     for side in sides:

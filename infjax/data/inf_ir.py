@@ -45,6 +45,8 @@ import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from infjax.data import text_files
 from infjax.errors import UserError
 
@@ -385,11 +387,16 @@ def _check_on_bad_row(on_bad_row: str) -> None:
         raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW_CHOICES)}, got {on_bad_row!r}")
 
 
-def _warn_skipped(split: str, bad: list[BadRowError]) -> None:
-    """Log one warning summarising the skipped rows of ``split``."""
+def skipped_warning(split: str, bad: list[BadRowError]) -> str:
+    """One line summarising the skipped rows of ``split``: their count and the first few."""
     shown = ", ".join(f"(row {e.row}, {e.field!r}: {e.reason})" for e in bad[:_MAX_REPORTED_BAD_ROWS])
     more = f" and {len(bad) - _MAX_REPORTED_BAD_ROWS} more" if len(bad) > _MAX_REPORTED_BAD_ROWS else ""
-    logger.warning("InF-IR split %r: skipped %d bad row(s): %s%s", split, len(bad), shown, more)
+    return f"InF-IR split {split!r}: skipped {len(bad)} bad row(s): {shown}{more}"
+
+
+def _warn_skipped(split: str, bad: list[BadRowError]) -> None:
+    """Log one warning summarising the skipped rows of ``split``."""
+    logger.warning("%s", skipped_warning(split, bad))
 
 
 def clean_records(
@@ -511,11 +518,12 @@ def _looks_like_path(source: str) -> bool:
     return source.count("/") > 1  # hub ids are "name" or "owner/name"
 
 
-def _load_local(files: list[str], split: str):
-    """Load local data files into an in-memory ``datasets.Dataset``.
-
-    A throw-away cache directory keeps ``~/.cache`` clean and guarantees that a
-    file rewritten in place is re-read rather than served from a stale cache.
+def _load_local(files: list[str], split: str, arrow_dir: str | None = None):
+    """Load local data files into a ``datasets.Dataset``: in memory (`arrow_dir` None), or as Arrow files
+    written once into `arrow_dir` and memory-mapped (every process of a host then shares one copy through the
+    page cache). `arrow_dir` must be named by the files' content (`token_store.file_digest`): a throw-away
+    cache directory, or one per content, guarantees that a file rewritten in place is re-read rather than
+    served from a stale cache.
     """
     import datasets
 
@@ -529,10 +537,12 @@ def _load_local(files: list[str], split: str):
     if builder == "parquet" and all(_parquet_rows(path) == 0 for path in files):
         raise DataFileError(f"{', '.join(files)}: a valid parquet file with no rows (a curation that kept 0 "
                             f"records writes one): nothing to train on")
-    with tempfile.TemporaryDirectory(prefix="infjax-inf-ir-") as cache_dir, _quiet_datasets():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_quiet_datasets())
+        cache_dir = arrow_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="infjax-inf-ir-"))
         try:
             dataset = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir,
-                                            keep_in_memory=True)
+                                            keep_in_memory=arrow_dir is None)
         except Exception as error:   # noqa: BLE001 - `datasets` wraps parse errors; find the file and line
             for path in files:
                 problem = _first_problem(path)
@@ -543,6 +553,10 @@ def _load_local(files: list[str], split: str):
                 cause = cause.__cause__
             raise DataFileError(f"{', '.join(files)}: cannot be read as {builder} "
                                 f"({type(cause).__name__}: {str(cause)[:300]})") from error
+    if arrow_dir is not None:       # the conversion's buffers: pyarrow's allocator keeps them for reuse otherwise
+        import pyarrow
+
+        pyarrow.default_memory_pool().release_unused()
     if len(dataset) == 0:
         raise DataFileError(f"{', '.join(files)}: no rows")
     if builder == "json":           # pyarrow's reader keeps bytes that are not UTF-8 until a row is read
@@ -629,16 +643,45 @@ def _load_hub(source: str, split: str):
         ) from error
 
 
-def _open_source(source: str, split: str):
-    """Dispatch ``source`` to a local file, a local folder or the hub."""
+def local_files(source: str, split: str) -> list[str] | None:
+    """The local files that hold ``split`` of ``source`` (a file, or a folder's files for the split), or None
+    for a hub id; FileNotFoundError for a path that does not exist."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
-        return _load_local([path], split)
+        return [path]
     if os.path.isdir(path):
-        return _load_local(_files_in_folder(path, split), split)
+        return _files_in_folder(path, split)
     if _looks_like_path(source):
         raise FileNotFoundError(f"InF-IR source {source!r} for split {split!r}: no such file or folder")
+    return None
+
+
+def _open_source(source: str, split: str, arrow_dir: str | None = None):
+    """Dispatch ``source`` to a local file, a local folder or the hub (see `_load_local` for `arrow_dir`)."""
+    files = local_files(source, split)
+    if files is not None:
+        return _load_local(files, split, arrow_dir)
     return _load_hub(source, split)
+
+
+def open_split(source: str, split: str, *, field_map: Mapping[str, str] | None = None, limit: int | None = None,
+               arrow_dir: str | None = None):
+    """One split as rows not read yet: (``datasets.Dataset``, the resolved field map). Local files become Arrow
+    files in `arrow_dir` (see `_load_local`), memory-mapped; a missing column is refused before any row is read.
+    Rows are cleaned as they are read (`clean_record`)."""
+    if field_map is not None:
+        _check_field_map(field_map)
+    started = time.perf_counter()
+    logger.info("reading the training data %s (split %s)", source, split)
+    dataset = _open_source(os.fspath(source), split, arrow_dir)
+    columns = list(dataset.column_names)
+    resolved = resolve_field_map(field_map, columns)
+    _check_columns(resolved, columns, split)
+    if limit is not None and limit < len(dataset):
+        dataset = dataset.select(range(limit))
+    logger.info("%d rows of %s (split %s) opened in %.1f s", len(dataset), source, split,
+                time.perf_counter() - started)
+    return dataset, resolved
 
 
 def _check_columns(field_map: Mapping[str, str], columns: Sequence[str], split: str) -> None:
@@ -719,6 +762,33 @@ def load_inf_ir(
     logger.info("%d records of %s (split %s) read and checked in %.1f s", len(records), source, split,
                 time.perf_counter() - started)
     return records
+
+
+class SourceRecords(Sequence):
+    """Clean records read when asked for: record i is source row `rows[i]` of the splits one after another
+    (`open_splits()` gives [(split, dataset, resolved field map)], called once, on the first read)."""
+
+    def __init__(self, open_splits: Callable[[], list], rows: Sequence[int]):
+        self._open, self._splits, self.rows = open_splits, None, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if self._splits is None:
+            self._splits = self._open()
+            self._first = [0]
+            for _, dataset, _ in self._splits:
+                self._first.append(self._first[-1] + len(dataset))
+        row = int(self.rows[i])
+        k = int(np.searchsorted(self._first, row, side="right")) - 1
+        split, dataset, resolved = self._splits[k]
+        return clean_record(dataset[row - self._first[k]], field_map=resolved, split=split, row=row - self._first[k])
+
+    def __getstate__(self):
+        return {"_open": self._open, "_splits": None, "rows": self.rows}
 
 
 # ---------------------------------------------------------------------------

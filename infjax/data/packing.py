@@ -72,54 +72,52 @@ def segment_bound(most: int) -> int:
     return m
 
 
-def first_fit(lengths: Sequence[int], length: int, max_texts: int | None = None) -> list[list[int]]:
-    """Rows of text indices, first-fit by decreasing length (ties: lower index first); each row sums to <= length
-    and holds at most `max_texts` texts (None: no limit)."""
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    rows: list[list[int]] = []
+def place(lengths: Sequence[int], length: int, max_texts: int | None = None) -> tuple[list[int], int]:
+    """First-fit by decreasing length (ties: lower index first): the row of each text and the number of rows.
+    A text goes into the first row (in the order rows were opened) with room for it and fewer than `max_texts`
+    texts (None: no limit); a row that can take no more (full, or less room than the shortest text) is no
+    longer searched."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    limit = max_texts or n + 1
+    smallest = min(lengths) if n else 0
     free: list[int] = []
+    count: list[int] = []
+    row_of = [0] * n
+    open_rows: list[int] = []
     for i in order:
-        if lengths[i] > length:
-            raise PackingOverflow(f"a text of {lengths[i]} tokens does not fit a pack length of {length}")
-        for r, room in enumerate(free):
-            if lengths[i] <= room and (max_texts is None or len(rows[r]) < max_texts):
-                rows[r].append(i)
-                free[r] -= lengths[i]
+        need = lengths[i]
+        if need > length:
+            raise PackingOverflow(f"a text of {need} tokens does not fit a pack length of {length}")
+        for k, r in enumerate(open_rows):
+            if free[r] >= need:
+                free[r] -= need
+                count[r] += 1
+                row_of[i] = r
+                if count[r] >= limit or free[r] < smallest:
+                    del open_rows[k]
                 break
         else:
-            rows.append([i])
-            free.append(length - lengths[i])
+            row_of[i] = r = len(free)
+            free.append(length - need)
+            count.append(1)
+            if count[r] < limit and free[r] >= smallest:
+                open_rows.append(r)
+    return row_of, len(free)
+
+
+def first_fit(lengths: Sequence[int], length: int, max_texts: int | None = None) -> list[list[int]]:
+    """Rows of text indices, first-fit by decreasing length (`place`), each row in placement order; each row sums
+    to <= length and holds at most `max_texts` texts (None: no limit)."""
+    row_of, count = place(lengths, length, max_texts)
+    rows: list[list[int]] = [[] for _ in range(count)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rows[row_of[i]].append(i)
     return rows
 
 
 def rows_needed(lengths: Sequence[int], length: int) -> int:
-    return len(first_fit(lengths, length))
-
-
-def pack_shard(tokens: Sequence[np.ndarray], capacity: Capacity, pad_id: int, what: str = "texts") -> dict:
-    """One shard's texts (token arrays, already cut to their max length) -> packed arrays without the S axis."""
-    lengths = [len(t) for t in tokens]
-    n = len(tokens)
-    slots = capacity.segment_slots(n)
-    placement = first_fit(lengths, capacity.length, slots)
-    if len(placement) > capacity.rows:
-        limit = f", at most {slots} texts a row" if capacity.texts is not None else ""
-        raise PackingOverflow(f"{what}: {len(tokens)} texts ({sum(lengths)} tokens) need {len(placement)} packed rows "
-                              f"of {capacity.length} tokens{limit} but the capacity is {capacity.rows} rows")
-    ids = np.full((capacity.rows, capacity.length), pad_id, np.int32)
-    mask = np.zeros((capacity.rows, capacity.length), np.int32)
-    text = np.full((capacity.rows, capacity.length), n, np.int32)
-    segments = np.zeros((capacity.rows, slots), np.int32)
-    first, last = np.zeros(n, np.int32), np.zeros(n, np.int32)
-    for r, members in enumerate(placement):
-        col = 0
-        for seg, i in enumerate(sorted(members), start=1):     # original order inside a row
-            span = slice(col, col + lengths[i])
-            ids[r, span], mask[r, span], text[r, span] = tokens[i], seg, i
-            first[i], last[i] = r * capacity.length + col, r * capacity.length + col + lengths[i] - 1
-            segments[r, seg - 1] = lengths[i]
-            col += lengths[i]
-    return {"ids": ids, "mask": mask, "text": text, "first": first, "last": last, "segments": segments}
+    return place(lengths, length)[1]
 
 
 def groups(count: int, shards: int, chunks: int = 1) -> list[list[range]]:
@@ -133,16 +131,86 @@ def groups(count: int, shards: int, chunks: int = 1) -> list[list[range]]:
 
 def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: int, what: str = "texts",
          chunks: int | None = None) -> dict:
-    """Texts in row order -> packed arrays [S, ...]; with `chunks` (gradient caching), [S, C, ...] (see the
-    module doc)."""
-    if len(tokens) % (shards * (chunks or 1)):
-        raise ValueError(f"{what}: {len(tokens)} texts do not split into {shards} batch shards x {chunks} chunks")
-    parts = [[pack_shard([tokens[i] for i in members], capacity, pad_id,
-                         f"{what}, shard {s}" + (f", chunk {c}" if chunks else ""))
-              for c, members in enumerate(shard)] for s, shard in enumerate(groups(len(tokens), shards, chunks or 1))]
-    if chunks is None:
-        return {k: np.stack([shard[0][k] for shard in parts]) for k in KEYS}
-    return {k: np.stack([np.stack([chunk[k] for chunk in shard]) for shard in parts]) for k in KEYS}
+    """Texts (token arrays, already cut to their max length) in row order -> packed arrays [S, ...]; with
+    `chunks` (gradient caching), [S, C, ...] (see the module doc)."""
+    lengths = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
+    flat = np.concatenate(tokens).astype(np.int32) if len(tokens) else np.zeros(0, np.int32)
+    return pack_flat(flat, lengths, shards, capacity, pad_id, what, chunks)
+
+
+def pack_flat(flat: np.ndarray, lengths: np.ndarray, shards: int, capacity: Capacity, pad_id: int,
+              what: str = "texts", chunks: int | None = None) -> dict:
+    """`pack` of texts given as one array of all their ids (`flat`, text after text in row order) and their
+    `lengths`: the placement is decided per shard (and chunk) in Python, every array is written at once."""
+    count = len(lengths)
+    c = chunks or 1
+    if count % (shards * c):
+        raise ValueError(f"{what}: {count} texts do not split into {shards} batch shards x {chunks} chunks")
+    per = count // (shards * c)                      # texts of one shard (chunk)
+    slots = capacity.segment_slots(count // shards if chunks is None else per)
+    rows, width = capacity.rows, capacity.length
+    lengths = np.asarray(lengths, np.int64)
+    # text t of shard s, chunk j is member k: t = s * (per * c) + j + k * c
+    t = np.arange(count)
+    shard, within = np.divmod(t, per * c)
+    chunk, member = within % c, within // c
+    block = shard * c + chunk                        # which (shard, chunk) block packs the text
+    row_of = np.empty(count, np.int64)
+    by_block = np.argsort(block, kind="stable").reshape(shards * c, per)   # each block's texts in member order
+    for b, members in enumerate(by_block):
+        placed, used = place(lengths[members].tolist(), width, slots)
+        if used > rows:
+            s, j = divmod(b, c)
+            where = f"{what}, shard {s}" + (f", chunk {j}" if chunks else "")
+            limit = f", at most {slots} texts a row" if capacity.texts is not None else ""
+            raise PackingOverflow(f"{where}: {per} texts ({int(lengths[members].sum())} tokens) need {used} packed "
+                                  f"rows of {width} tokens{limit} but the capacity is {rows} rows")
+        row_of[members] = placed
+    # inside a row, texts keep their order: column = the lengths of the row's earlier texts
+    key = (block * rows + row_of) * count + t
+    order = np.argsort(key, kind="stable")
+    row_id = (block * rows + row_of)[order]
+    starts_row = np.r_[True, row_id[1:] != row_id[:-1]]
+    csum = np.cumsum(lengths[order]) - lengths[order]
+    col = np.empty(count, np.int64)
+    col[order] = csum - np.maximum.accumulate(np.where(starts_row, csum, 0))
+    rank = np.empty(count, np.int64)
+    run = np.arange(count) - np.maximum.accumulate(np.where(starts_row, np.arange(count), 0))
+    rank[order] = run + 1                            # segment id: 1, 2, ... in the row
+    start = (block * rows + row_of) * width + col    # flat position of each text's first token
+    out = {"ids": np.full((shards * c, rows, width), pad_id, np.int32),
+           "mask": np.zeros((shards * c, rows, width), np.int32),
+           "text": np.full((shards * c, rows, width), per, np.int32),
+           "segments": np.zeros((shards * c, rows, slots), np.int32)}
+    offsets = np.cumsum(lengths) - lengths
+    dest = np.repeat(start - offsets, lengths) + np.arange(int(lengths.sum()))
+    out["ids"].reshape(-1)[dest] = flat
+    out["mask"].reshape(-1)[dest] = np.repeat(rank, lengths)
+    out["text"].reshape(-1)[dest] = np.repeat(member, lengths)
+    out["segments"].reshape(-1)[(block * rows + row_of) * slots + rank - 1] = lengths
+    in_block = row_of * width + col
+    first = np.zeros((shards * c, per), np.int32)
+    last = np.zeros((shards * c, per), np.int32)
+    first[block, member] = in_block
+    last[block, member] = in_block + lengths - 1
+    out["first"], out["last"] = first, last
+    shape = (shards, c) if chunks else (shards,)
+    return {k: out[k].reshape(*shape, *out[k].shape[1:]) for k in KEYS}
+
+
+def pad_flat(flat: np.ndarray, lengths: np.ndarray, max_len: int, pad_id: int, left: bool = False
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Texts given as `pack_flat` takes them -> ids and a 0/1 mask [T, max_len], each text on its own row,
+    padded on the right (or on the `left`: decoders read the last token)."""
+    lengths = np.asarray(lengths, np.int64)
+    ids = np.full((len(lengths), max_len), pad_id, np.int32)
+    mask = np.zeros((len(lengths), max_len), np.int32)
+    col0 = (max_len - lengths) if left else np.zeros_like(lengths)
+    offsets = np.cumsum(lengths) - lengths
+    dest = np.repeat(np.arange(len(lengths)) * max_len + col0 - offsets, lengths) + np.arange(int(lengths.sum()))
+    ids.reshape(-1)[dest] = flat
+    mask.reshape(-1)[dest] = 1
+    return ids, mask
 
 
 def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int, chunks: int = 1) -> Capacity:
@@ -152,9 +220,9 @@ def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length
     for lengths in lengths_per_batch:
         for shard in groups(len(lengths), shards, chunks):
             for members in shard:
-                placement = first_fit([lengths[i] for i in members], length)
-                rows = max(rows, len(placement))
-                most = max([most] + [len(r) for r in placement])
+                row_of, used = place([lengths[i] for i in members], length)
+                rows = max(rows, used)
+                most = max(most, int(np.bincount(row_of).max()) if row_of else 1)
     return Capacity(rows, length, segment_bound(most))
 
 
@@ -258,7 +326,7 @@ class Shapes:
         need = {}
         for side, counts in lengths.items():
             limit = (self.texts or {}).get(side)
-            need[side] = max(len(first_fit([counts[i] for i in members], grown_lengths[side], limit))
+            need[side] = max(place([counts[i] for i in members], grown_lengths[side], limit)[1]
                              for shard in groups(len(counts), shards, (chunks or {}).get(side, 1)) for members in shard)
         shapes, notes = self, []
         if grown_lengths != self.lengths:

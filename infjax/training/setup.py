@@ -6,20 +6,19 @@ that trains.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
-import hashlib
-import json
 import logging
 import math
+import os
 import time
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
 from infjax import losses
-from infjax.data import batches, packing, synthetic
-from infjax.data.inf_ir import DEFAULT_FIELD_MAP, FIELDS, LEGACY_FIELD_MAP, TokenKeys, letters_and_digits, load_inf_ir
+from infjax.data import batches, packing, synthetic, token_store
+from infjax.data.inf_ir import DEFAULT_FIELD_MAP, FIELDS, LEGACY_FIELD_MAP, SourceRecords, local_files, open_split
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import ConfigError
 from infjax.models.hf import files as hf_files
@@ -34,79 +33,111 @@ log = logging.getLogger("infjax")
 FIELD_MAPS = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}
 
 
-def load_training_records(data_config, tokenizer: Tokenizer | None = None) -> list[dict]:
-    """InF-IR records from `config.data`: the synthetic corpus, a hub id or local files. With the model's
-    `tokenizer`, records are compared as the model reads them: a negative with its positive's token ids is a
-    bad row, and records with the same token ids in every field are duplicates."""
-    if data_config.source == "synthetic":
-        s = data_config.synthetic
-        return synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
-    token_keys = tokenizer.token_keys if tokenizer is not None else None
-    records = []
-    for split in [s.strip() for s in data_config.splits.split(",") if s.strip()]:
-        try:
-            records += load_inf_ir(data_config.source, split, field_map=FIELD_MAPS[data_config.field_map],
-                                   on_bad_row=data_config.on_bad_row, limit=data_config.limit or None,
-                                   token_keys=token_keys)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"config.data.source={data_config.source!r}: {e}") from e
-    return drop_duplicates(records, data_config.get("dedupe", True), token_keys)
+def text_encoding(config) -> token_store.Encoding:
+    """How the run's texts become ids: its lengths, text format and interaction."""
+    fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
+    return token_store.Encoding(config.data.query_max_len, config.data.passage_max_len, fmt,
+                                config.model.interaction)
 
 
-def drop_duplicates(records: list[dict], dedupe: bool = True, token_keys: TokenKeys | None = None) -> list[dict]:
-    """`records` without those that repeat an earlier one (dedupe), or all of them (not); either way a warning
-    counts the duplicates and names the first few (0-based record indices, in load order: the splits of
-    data.splits one after another).
+@dataclasses.dataclass(frozen=True)
+class TrainingData:
+    """The training records: their ids (data/token_store.py) and, read when asked for, their texts."""
 
-    A duplicate is identical to an earlier record in every field; with the model's tokenizer (`token_keys`), it
-    has the same token ids in every field (texts that differ only in what the tokenizer ignores, such as case
-    for an uncased model or invisible characters, are one input to the model: in one batch, each would be the
-    other's false negative). Only records whose fields share their letters and digits are tokenized."""
-    def exact(record: dict) -> str:
-        return json.dumps(record, sort_keys=True, ensure_ascii=False)
+    store: token_store.TokenStore
+    records: Sequence[dict]
 
-    if token_keys is None:
-        keys = [exact(r) for r in records]
+    @property
+    def fingerprint(self) -> dict:
+        """{"records": count, "hash": 16 hex digits over every field of every record, in order, "of": ...}: a
+        changed, added, removed or reordered record changes it."""
+        return self.store.fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitOpener:
+    """Opens the splits of config.data as memory-mapped datasets (picklable: a worker that needs the texts
+    opens them again from the Arrow files)."""
+
+    source: str
+    splits: tuple[str, ...]
+    field_map: str
+    limit: int
+    arrow_dirs: tuple[str | None, ...]      # per split: where its local files become Arrow files (None: hub)
+
+    def __call__(self) -> list:
+        out = []
+        for split, arrow_dir in zip(self.splits, self.arrow_dirs):
+            dataset, resolved = open_split(self.source, split, field_map=FIELD_MAPS[self.field_map],
+                                           limit=self.limit or None, arrow_dir=arrow_dir)
+            out.append((split, dataset, resolved))
+        return out
+
+
+def open_training_data(config, model_path: str, padding_side: str = "right", records: list[dict] | None = None,
+                       workers: int | None = None) -> TrainingData:
+    """The training data of `config.data` as a token store: read from the token cache, or tokenized now (once)
+    and cached. `records` (in memory: the synthetic corpus, benchmarks, tests) are tokenized in memory, not
+    cached. Its warnings (bad rows skipped, duplicates) are logged on every run, from the cache too."""
+    data = config.data
+    encoding = text_encoding(config)
+    reading = token_store.Reading(data.on_bad_row, data.get("dedupe", True))
+    if records is None and data.source == "synthetic":
+        s = data.synthetic
+        records = synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
+    if records is not None:
+        store = token_store.in_memory(records, model_path, encoding, reading, padding_side)
+        texts: Sequence[dict] = SourceRecords(InMemorySplit(records), np.asarray(store.source)[np.asarray(store.kept)])
     else:
-        keys = [tuple(letters_and_digits(r[f]) for f in FIELDS) for r in records]
-        shared = collections.Counter(keys)
-        candidates = [i for i, k in enumerate(keys) if shared[k] > 1]
-        texts = [records[i][f] for i in candidates for f in FIELDS]
-        tokens = token_keys(texts)
-        for n, i in enumerate(candidates):
-            keys[i] = ("token ids", *tokens[n * len(FIELDS):(n + 1) * len(FIELDS)])
-    first: dict = {}
-    repeats: list[tuple[int, int]] = []
-    kept = []
-    for i, (record, key) in enumerate(zip(records, keys)):
-        if key in first:
-            repeats.append((i, first[key]))
-            if dedupe:
-                continue
+        store, texts = _cached(data, model_path, padding_side, encoding, reading,
+                               data.get("tokenize_workers", -1) if workers is None else workers)
+    for line in store.meta["warnings"]:
+        log.warning("%s", line)
+    if not store.exact:
+        log.warning("data: the query texts cannot be assembled from their fields' ids (%d of the data's differ from "
+                    "the tokenizer's own ids, e.g. %s): each step's texts are tokenized as the step is built, which "
+                    "is slower", store.meta["mismatch"], store.meta["mismatch_example"])
+    return TrainingData(store, texts)
+
+
+@dataclasses.dataclass(frozen=True)
+class InMemorySplit:
+    """In-memory records as the one split `SourceRecords` reads."""
+
+    records: list[dict]
+
+    def __call__(self) -> list:
+        return [("records", self.records, dict(DEFAULT_FIELD_MAP))]
+
+
+def _cached(data, model_path: str, padding_side: str, encoding, reading, workers: int):
+    splits = tuple(s.strip() for s in data.splits.split(",") if s.strip())
+    root = token_store.cache_root(data.get("cache_dir", ""))
+    tokenizer = Tokenizer(model_path, padding_side)
+    identity, arrow_dirs = [], []
+    t0 = time.perf_counter()
+    log.info("identifying the training data %s (splits %s) by its content", data.source, ", ".join(splits))
+    for split in splits:
+        try:
+            files = local_files(data.source, split)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"config.data.source={data.source!r}: {e}") from e
+        if files is None:                     # a hub split: datasets' own cache is memory-mapped, its fingerprint
+            dataset, _ = open_split(data.source, split)
+            identity.append({"split": split, "hub": data.source, "fingerprint": dataset._fingerprint})  # noqa: SLF001
+            arrow_dirs.append(None)
         else:
-            first[key] = i
-        kept.append(record)
-    if repeats:
-        def pair(i: int, j: int) -> str:
-            alike = "" if exact(records[i]) == exact(records[j]) else " (the same token ids, not the same text)"
-            return f"record {i} repeats record {j}{alike}"
-
-        shown = ", ".join(pair(i, j) for i, j in repeats[:3])
-        more = f" and {len(repeats) - 3} more" if len(repeats) > 3 else ""
-        what = ("dropped (data.dedupe=True)" if dedupe else
-                "kept (data.dedupe=False): a batch may hold one twice, an in-batch false negative")
-        log.warning("training data: %d duplicate record(s) %s: %s%s", len(repeats), what, shown, more)
-    return kept
-
-
-def data_fingerprint(records: list[dict]) -> dict:
-    """{"records": count, "hash": 16 hex digits over every field of every record, in order}: a changed,
-    added, removed or reordered record changes it. About 0.1 s per 100k records."""
-    h = hashlib.blake2b(digest_size=8)
-    for record in records:
-        h.update(json.dumps(record, sort_keys=True, ensure_ascii=False).encode())
-        h.update(b"\x00")
-    return {"records": len(records), "hash": h.hexdigest()}
+            digests = [token_store.file_digest(f) for f in files]
+            identity.append({"split": split, "files": digests})
+            arrow_dirs.append(os.path.join(root, "arrow", token_store.key_digest({"files": digests})))
+    log.info("training data identified by content in %.1f s (%s)", time.perf_counter() - t0, ", ".join(
+        f"{i['split']}: {len(i['files'])} file(s)" if "files" in i else f"{i['split']}: hub" for i in identity))
+    opener = SplitOpener(data.source, splits, data.field_map, data.limit, tuple(arrow_dirs))
+    key = {"version": token_store.VERSION, "data": identity, "field_map": data.field_map, "limit": data.limit,
+           "reading": dataclasses.asdict(reading), "tokenizer": tokenizer.identity(), "encoding": encoding.key()}
+    store = token_store.open_cached(lambda: token_store.Job(opener(), model_path, padding_side, encoding), reading,
+                                    key, root, workers)
+    return store, SourceRecords(opener, np.asarray(store.source)[np.asarray(store.kept)])
 
 
 def make_objective(config) -> losses.Objective:
@@ -126,7 +157,7 @@ class BatchSetup:
     build: batches.BatchBuilder       # step -> this process's slice of the global batch (see data/batches.py)
 
 
-def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: str,
+def make_batch_setup(config, data: TrainingData, encoder: Encoder, model_path: str,
                      objective: losses.Objective, num_devices: int | None = None) -> BatchSetup:
     """Tokenizer, text format, batch plan and builder; with data.packing, the packed capacities too."""
     max_positions = hf_files.load_hf_config(model_path).get("max_position_embeddings")
@@ -136,13 +167,15 @@ def make_batch_setup(config, records: list[dict], encoder: Encoder, model_path: 
                              f"{max_positions} ({model_path}/config.json)")
     tokenizer = Tokenizer(model_path, padding_side=encoder.padding_side)
     fmt = TextFormat(config.data.query_template, config.data.query_prefix, config.data.passage_prefix)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
+    plan = batches.BatchPlan(len(data.store), config.train.batch_size, config.train.seed)
     cross = config.model.interaction == "cross_attention"
-    sampler = (batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
+    sampler = (batches.InstructionNegativeSampler(len(data.store.pool), config.loss.instruction_negatives,
+                                                  config.train.seed)
                if objective.needs_instruction_negatives and not cross else None)
-    build = batches.BatchBuilder(records, plan, tokenizer, fmt, config.data.query_max_len,
-                                 config.data.passage_max_len, config.data.hard_negatives, sampler,
-                                 jax.process_index(), jax.process_count(), config.model.interaction)
+    build = batches.BatchBuilder(data.store, plan, config.data.query_max_len, config.data.passage_max_len,
+                                 config.data.hard_negatives, sampler, jax.process_index(), jax.process_count(),
+                                 config.model.interaction, padding_side=encoder.padding_side,
+                                 texts=batches.Texts(data.records, tokenizer, fmt))
     if config.data.packing:
         build = dataclasses.replace(build, pack_lengths={"query": config.data.pack_length_query,
                                                          "passage": config.data.pack_length_passage})
@@ -163,7 +196,7 @@ def packed_layout(config, build: batches.BatchBuilder, plan: batches.BatchPlan, 
     `encoder`'s attention (`attention_span`)."""
     data, fsdp, _ = mesh_lib.mesh_shape(config.mesh, num_devices)
     shards = data * fsdp
-    sides = build.side_texts(0, local=False)[0]
+    sides = {side: v.lengths for side, v in build.side_ids(0, local=False, ids=False)[0].items()}
     chunk = config.train.chunk_size
     build = dataclasses.replace(build, chunks={side: len(texts) // chunk for side, texts in sides.items()}
                                 if chunk else None)

@@ -62,50 +62,80 @@ def test_batch_plan_refuses_too_few_records():
         batches.BatchPlan(num_records=2, batch_size=3, seed=0)
 
 
-def _records_with_instructions(texts):
-    return [{"instruction_positive": a, "instruction_negative": b} for a, b in texts]
-
-
 def test_sampler_never_returns_own_instruction_and_is_deterministic():
-    # A pool that repeats instructions across records.
-    records = _records_with_instructions([("A", "B"), ("A", "C"), ("B", "D"), ("E", "A"), ("C", "F")])
-    sampler = batches.InstructionNegativeSampler(records, k=4, seed=0)
-    assert sampler.pool == ["A", "B", "C", "D", "E", "F"]
-    rows = ["A", "B", "A", "F", "C"] * 20
+    sampler = batches.InstructionNegativeSampler(pool_size=6, k=4, seed=0)
+    own = np.array([0, 1, 0, 5, 2] * 20)
     for step in range(30):
-        drawn = sampler.sample(step, rows)
-        assert drawn == sampler.sample(step, rows)
-        for own, negs in zip(rows, drawn):
-            assert own not in negs and len(set(negs)) == 4
-    assert sampler.sample(0, rows) != sampler.sample(1, rows)
-    assert batches.InstructionNegativeSampler(records, 4, 0).sample(5, rows) == sampler.sample(5, rows)
+        drawn = sampler.draw(step, own)
+        assert drawn.shape == (100, 4) and (drawn >= 0).all() and (drawn < 6).all()
+        np.testing.assert_array_equal(drawn, sampler.draw(step, own))
+        for o, negs in zip(own, drawn):
+            assert o not in negs and len(set(negs.tolist())) == 4
+    assert not np.array_equal(sampler.draw(0, own), sampler.draw(1, own))
+    np.testing.assert_array_equal(batches.InstructionNegativeSampler(6, 4, 0).draw(5, own), sampler.draw(5, own))
+
+
+def test_sampler_draws_every_set_of_k_equally_often():
+    """Floyd's algorithm: for a row, every K-subset of the other instructions is equally likely (chi-square over
+    the 10 subsets of 2 of 5 candidates, 20,000 draws; the bound is the 0.999 quantile for 9 degrees of
+    freedom), and a row's draw does not depend on the other rows' own instructions."""
+    sampler = batches.InstructionNegativeSampler(pool_size=6, k=2, seed=3)
+    own = np.full(2000, 4)
+    counts = {}
+    for step in range(10):
+        for pair in sampler.draw(step, own):
+            key = tuple(sorted(pair.tolist()))
+            counts[key] = counts.get(key, 0) + 1
+    assert set(counts) == {(a, b) for a in (0, 1, 2, 3, 5) for b in (0, 1, 2, 3, 5) if a < b}
+    expected = 20000 / 10
+    assert sum((n - expected) ** 2 / expected for n in counts.values()) < 27.88
+    mixed = own.copy()
+    mixed[1:] = 0
+    assert sampler.draw(7, mixed)[0].tolist() == sampler.draw(7, own)[0].tolist()
 
 
 def test_sampler_refuses_k_larger_than_pool():
-    records = _records_with_instructions([("A", "B"), ("A", "C")])
     with pytest.raises(ValueError, match="loss.instruction_negatives=3"):
-        batches.InstructionNegativeSampler(records, k=3, seed=0)
+        batches.InstructionNegativeSampler(pool_size=3, k=3, seed=0)
 
 
-class FakeTokenizer:
-    """Maps each text to a fixed-length row of its characters' codes (enough to compare slices)."""
+def _store(records, query_max_len=160, passage_max_len=200, **encoding):
+    from infjax.data import token_store
+    from tests.helpers.tiny import tiny_bert_path
 
-    def __call__(self, texts, max_len):
-        ids = np.zeros((len(texts), max_len), np.int32)
-        for i, t in enumerate(texts):
-            codes = [ord(c) for c in t[:max_len]]
-            ids[i, :len(codes)] = codes
-        return ids, (ids > 0).astype(np.int32)
+    return token_store.in_memory(records, tiny_bert_path(), token_store.Encoding(query_max_len, passage_max_len,
+                                                                                  **encoding))
+
+
+def _texts(records, fmt=TextFormat()):
+    from infjax.data.tokenize import Tokenizer
+    from tests.helpers.tiny import tiny_bert_path
+
+    return batches.Texts(records, Tokenizer(tiny_bert_path()), fmt)
+
+
+def test_the_instruction_pool_is_the_distinct_instructions_in_order():
+    """The pool lists each distinct instruction text once, I+ then I- of each record in order; a record's own
+    indices point at its texts."""
+    records, _ = synthetic.make_synthetic(0, 6, 2)
+    texts = [("A x", "B x"), ("A x", "C x"), ("B x", "D x"), ("E x", "A x"), ("C x", "F x"), ("G x", "A x")]
+    for r, (a, b) in zip(records, texts):
+        r["instruction_positive"], r["instruction_negative"] = a, b
+    store = _store(records)
+    pool = [records[int(p) // 7][FIELDS[int(p) % 7]] for p in store.pool]
+    assert pool == ["A x", "B x", "C x", "D x", "E x", "F x", "G x"]
+    for r, own in zip(records, np.asarray(store.own)):
+        assert [pool[own[0]], pool[own[1]]] == [r["instruction_positive"], r["instruction_negative"]]
 
 
 def test_host_slices_concatenate_to_the_global_batch():
     records, _ = synthetic.make_synthetic(0, 40, 2)
-    plan = batches.BatchPlan(len(records), 4, seed=0)
-    sampler = batches.InstructionNegativeSampler(records, 2, seed=0)
+    store = _store(records)
+    plan = batches.BatchPlan(len(store), 4, seed=0)
+    sampler = batches.InstructionNegativeSampler(len(store.pool), 2, seed=0)
 
     def builder(pid, count):
-        return batches.BatchBuilder(records, plan, FakeTokenizer(), TextFormat(), 160, 200,
-                                    sampler=sampler, process_index=pid, process_count=count)
+        return batches.BatchBuilder(store, plan, 160, 200, sampler=sampler, process_index=pid, process_count=count)
 
     whole = builder(0, 1)(step=3)
     parts = [builder(i, 3)(step=3) for i in range(3)]
@@ -116,8 +146,9 @@ def test_host_slices_concatenate_to_the_global_batch():
 
 def test_rows_keep_records_together_in_order():
     records, _ = synthetic.make_synthetic(0, 12, 2)
-    plan = batches.BatchPlan(len(records), 4, seed=0)
-    b = batches.BatchBuilder(records, plan, FakeTokenizer(), TextFormat(), 8, 8)
+    store = _store(records, 8, 8)
+    plan = batches.BatchPlan(len(store), 4, seed=0)
+    b = batches.BatchBuilder(store, plan, 8, 8, texts=_texts(records))
     rows = b.rows(0)
     first = records[plan.record_indices(0)[0]]
     assert rows[:3] == [

@@ -473,7 +473,7 @@ def test_flatten_record_order():
 def test_duplicate_records_are_counted_and_dropped_unless_kept(tmp_path, caplog, dedupe):
     import ml_collections
 
-    from infjax.training.setup import load_training_records
+    from tests.helpers.configs import load_training_records
 
     rows = [raw_row(i) for i in range(5)] + [raw_row(1), raw_row(3), raw_row(1)]
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
@@ -584,6 +584,18 @@ def test_a_negative_with_its_positives_token_ids_is_a_bad_row_when_the_tokenizer
     assert f"the same token ids as {positive} for the model's tokenizer" in str(info.value)
     records = load_inf_ir(path, "msmarco", on_bad_row="skip", token_keys=tokenizer.token_keys)
     assert records == [clean_row(0), clean_row(2)]
+    # training compares them by the digests of their ids, in the pass that tokenizes them
+    import ml_collections
+
+    from tests.helpers.configs import load_training_records
+
+    data = ml_collections.ConfigDict({"source": path, "splits": "msmarco"})
+    with pytest.raises(BadRowError) as info:
+        load_training_records(data)
+    assert (info.value.row, info.value.field) == (1, negative)
+    assert f"the same token ids as {positive} for the model's tokenizer" in str(info.value)
+    data.on_bad_row = "skip"
+    assert load_training_records(data) == [clean_row(0), clean_row(2)]
 
 
 def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
@@ -591,9 +603,9 @@ def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
     model) passed without the duplicate warning; in a batch, each is the other's false negative."""
     import ml_collections
 
-    from infjax.training.setup import load_training_records
+    from tests.helpers.configs import load_training_records
 
-    tokenizer = minilm_tokenizer()
+    minilm_tokenizer()
     rows = [raw_row(i) for i in range(4)]
     upper = {k: v.upper() for k, v in raw_row(1).items()}                  # record 4: record 1 in capitals
     hidden = dict(raw_row(2), query_positive="what is\u200b thing 2?")     # record 5: record 2 with a U+200B
@@ -601,12 +613,9 @@ def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     data = ml_collections.ConfigDict({"source": path, "splits": "msmarco", "field_map": "auto",
                                       "on_bad_row": "error", "limit": 0, "dedupe": True})
+    assert len(load_inf_ir(path, "msmarco")) == 7                        # as text, all differ
     with caplog.at_level(logging.WARNING):
-        assert len(load_training_records(data)) == 6                      # as text, only record 6 repeats
-    assert "1 duplicate record(s)" in caplog.text
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        records = load_training_records(data, tokenizer)
+        records = load_training_records(data)
     assert records == [clean_row(i) for i in range(4)]
     assert ("3 duplicate record(s) dropped (data.dedupe=True): record 4 repeats record 1 (the same token ids, not "
             "the same text), record 5 repeats record 2 (the same token ids, not the same text), record 6 repeats "

@@ -226,12 +226,12 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
                                          "data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
     monkeypatch.setattr(batches, "MEASURED_STEPS", 1)
-    packed_setup = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8)
+    packed_setup = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8)
     assert packed_setup.build.shapes.measured().tolist() == [0]
-    padded_setup = setup_lib.make_batch_setup(config_lib_override(config, {"data.packing": False}), records, encoder,
+    padded_setup = setup_lib.make_batch_setup(config_lib_override(config, {"data.packing": False}), data, encoder,
                                               path, obj)
     caps = packed_setup.build.capacities
     assert packed_setup.build.shards == 8 and set(caps) == ({"i", "qo", "p"} if interaction != "concat"
@@ -261,9 +261,9 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, _, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
-    build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
+    build = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8).build
     shapes = build.shapes
     assert build.capacities == shapes.capacities(shapes.largest) and 1 <= len(shapes.rows) <= 3
     most = {side: 0 for side in shapes.texts}
@@ -279,14 +279,14 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     # M is the most texts any row of the run holds, rounded up to a power of two (at least 2)
     assert shapes.texts == {side: packing.segment_bound(m) for side, m in most.items()}
     assert any(m > 2 for m in most.values()) and all(shapes.texts[s] < 4 * m for s, m in most.items())
-    one = setup_lib.make_batch_setup(config_lib_override(config, {"data.pack_shapes": 1}), records, encoder, path,
+    one = setup_lib.make_batch_setup(config_lib_override(config, {"data.pack_shapes": 1}), data, encoder, path,
                                      obj, num_devices=8).build
     assert len(one.shapes.rows) == 1 and one.shapes.rows[0] == shapes.largest
     for side, c in build.capacities.items():                    # some step fills each side of the one shape
         assert max(int((one(step)[side]["mask"].max(axis=-1) > 0).sum(axis=-1).max())
                    for step in range(config.train.steps)) == c.rows
     tight = config_lib_override(config, {"data.pack_rows_negatives": 1})
-    small = setup_lib.make_batch_setup(tight, records, encoder, path, obj, num_devices=8).build
+    small = setup_lib.make_batch_setup(tight, data, encoder, path, obj, num_devices=8).build
     assert small.capacities["n"].rows == 1 and small.capacities["q"] == build.capacities["q"]
     with pytest.raises(packing.PackingOverflow, match=r"step 0, side 'n'.*raise data.pack_rows_negatives"):
         small(0)
@@ -426,15 +426,13 @@ def test_a_step_not_measured_takes_the_cheapest_shape_that_holds_it_else_the_sha
     assert 0 < grown < 60
 
 
-def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agree(monkeypatch, caplog):
+def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agree(monkeypatch):
     """A run measured over a sample of its steps: every step, measured or not, packs all its texts unchanged into
     its shape's rows (the widest a row more than the sample needs, at most a row a text), and that shape is the
-    cheapest that holds the step's first-fit rows; shapes that hold no step are grown, once each, with one
-    line; two processes (4 shards each) build the halves of the batch that one process (8 shards) builds, so
-    all processes choose and grow alike."""
-    import collections
+    cheapest measured one that holds the step's first-fit rows, or (none holds it) a further one, said in the
+    step's note; a step's batch is a pure function of the step (built in any order, the same); two processes (4
+    shards each) build the halves of the batch that one process (8 shards) builds, and note alike."""
     import dataclasses
-    import logging
 
     from infjax.data import batches
     from infjax.models.encoder import load_encoder
@@ -442,13 +440,14 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96, "train.steps": 5})
     encoder, _, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
     monkeypatch.setattr(batches, "MEASURED_STEPS", 2)
-    build = setup_lib.make_batch_setup(config, records, encoder, path, obj, num_devices=8).build
+    build = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8).build
     assert build.shapes.measured().tolist() == [0, 4]
+    tokenizer = build.texts.tokenizer
     for side, rows in build.shapes.largest.items():          # a row more than the sample's most, per side
-        most = max(packing.capacity_for([[len(t) for t in build.tokenizer.tokens(
+        most = max(packing.capacity_for([[len(t) for t in tokenizer.tokens(
             build.side_texts(step, local=False)[0][side], build.max_len(side))]], 8, build.shapes.lengths[side]).rows
             for step in (0, 4))
         assert rows == min(most + 1, len(build.side_texts(0, local=False)[0][side]) // 8)
@@ -459,37 +458,39 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
     for start in (build.shapes, small):
         one = dataclasses.replace(build, shapes=start)
         two = [dataclasses.replace(build, shapes=start, shards=4, process_index=i, process_count=2) for i in (0, 1)]
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="infjax.data"):
-            for step in range(config.train.steps):
-                shapes = one.shapes
-                batch = one(step)
-                texts, _ = one.side_texts(step)
-                for side, packed in batch.items():
-                    tokens = one.tokenizer.tokens(texts[side], one.max_len(side))
-                    for got, want in zip(_unpacked(packed), tokens, strict=True):
-                        np.testing.assert_array_equal(got, want)
-                    rows, length = packed["ids"].shape[1:]
-                    assert length == one.shapes.lengths[side]
-                    need = packing.capacity_for([[len(t) for t in tokens]], 8, length).rows
-                    assert rows >= need
-                if shapes is one.shapes:                       # nothing grew: the cheapest shape that holds it
-                    needs = {side: packing.capacity_for([[len(t) for t in one.tokenizer.tokens(
-                        texts[side], one.max_len(side))]], 8, shapes.lengths[side]).rows for side in batch}
-                    held = [r for r in shapes.rows if all(r[s] >= n for s, n in needs.items())]
-                    assert shapes.cost({s: batch[s]["ids"].shape[1] for s in batch}) == min(map(shapes.cost, held))
-                halves = [b(step) for b in two]
-                for side in batch:
-                    for key in packing.KEYS:
-                        np.testing.assert_array_equal(np.concatenate([h[side][key] for h in halves]),
-                                                      batch[side][key])
-        lines = collections.Counter(r.getMessage() for r in caplog.records)
-        assert all(n == 3 for n in lines.values())           # each growth once in each of the 3 builders
-        assert all(b.shapes.rows == one.shapes.rows and b.shapes.lengths == one.shapes.lengths for b in two)
-        assert one.capacities == one.shapes.capacities(one.shapes.largest)
+        built = {}
+        for step in range(config.train.steps):
+            batch, info = one.assemble(step)
+            built[step] = batch
+            texts, _ = one.side_texts(step)
+            needs = {}
+            for side, packed in batch.items():
+                tokens = tokenizer.tokens(texts[side], one.max_len(side))
+                for got, want in zip(_unpacked(packed), tokens, strict=True):
+                    np.testing.assert_array_equal(got, want)
+                rows, length = packed["ids"].shape[1:]
+                assert length == start.lengths[side]
+                needs[side] = packing.capacity_for([[len(t) for t in tokens]], 8, length).rows
+                assert rows >= needs[side]
+            held = [r for r in start.rows if all(r[s] >= n for s, n in needs.items())]
+            if held:                                          # the cheapest measured shape that holds it
+                assert info["grown"] is None
+                assert start.cost({s: batch[s]["ids"].shape[1] for s in batch}) == min(map(start.cost, held))
+            else:
+                assert "does not fit the shapes measured over" in info["grown"] and "a further shape" in info["grown"]
+            halves = [b.assemble(step) for b in two]
+            assert all(h[1]["grown"] == info["grown"] for h in halves)
+            for side in batch:
+                for key in packing.KEYS:
+                    np.testing.assert_array_equal(np.concatenate([h[0][side][key] for h in halves]),
+                                                  batch[side][key])
+        fresh = dataclasses.replace(build, shapes=start)
+        for step in reversed(range(config.train.steps)):        # any order, any builder: the same batches
+            for side, packed in fresh(step).items():
+                for key in packing.KEYS:
+                    np.testing.assert_array_equal(packed[key], built[step][side][key])
         if start is small:
-            assert lines and all("does not fit the shapes measured over 0 sampled steps" in line for line in lines)
-            assert len(one.shapes.rows) == 1 + sum("a further shape" in line for line in lines)
+            assert all(one.assemble(step)[1]["grown"] for step in range(config.train.steps))
 
 
 def test_a_checkpoint_from_before_packing_resumes():

@@ -63,19 +63,46 @@ def changed(config, **overrides):
     return config_lib.override(config.copy_and_resolve_references(), overrides)
 
 
+def padded_builder(config, path: str, query_max_len: int | None = None, passage_max_len: int | None = None,
+                   negatives: int | None = None, interaction: str | None = None):
+    """The unsharded batch builder of `config`'s data (texts padded to the lengths given, else the config's; no
+    packing; `build(step)` is the global batch of a step), with K=`negatives` instruction negatives (default
+    the config's; none under Interaction II)."""
+    from infjax.data import batches
+    from infjax.data.tokenize import TextFormat, Tokenizer
+    from infjax.training import setup as setup_lib
+
+    c = changed(config, **{"data.query_max_len": query_max_len or config.data.query_max_len,
+                           "data.passage_max_len": passage_max_len or config.data.passage_max_len,
+                           "model.interaction": interaction or config.model.interaction})
+    data = setup_lib.open_training_data(c, path)
+    plan = batches.BatchPlan(len(data.store), c.train.batch_size, c.train.seed)
+    k = c.loss.instruction_negatives if negatives is None else negatives
+    sampler = (None if c.model.interaction == "cross_attention" else
+               batches.InstructionNegativeSampler(len(data.store.pool), k, c.train.seed))
+    return batches.BatchBuilder(data.store, plan, c.data.query_max_len, c.data.passage_max_len, c.data.hard_negatives,
+                                sampler, interaction=c.model.interaction,
+                                texts=batches.Texts(data.records, Tokenizer(path), TextFormat()))
+
+
 def run_parts(config):
     """(encoder, params, batch builder, objective) of `config`'s run, unsharded: texts padded to the config's
     lengths, no packing; `build(step)` is the global batch of a step."""
     from infjax import losses
-    from infjax.data import batches
-    from infjax.data.tokenize import TextFormat, Tokenizer
     from infjax.models.encoder import load_encoder
-    from infjax.training import setup as setup_lib
 
     encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), config.data.query_max_len,
-                                 config.data.passage_max_len, config.data.hard_negatives, sampler)
+    build = padded_builder(config, path)
     return encoder, params, build, losses.Objective.from_name(config.objective, config.loss.temperature)
+
+
+def load_training_records(data_config, model_path: str | None = None) -> list[dict]:
+    """The training records of `data_config` (config.data, or some of its keys: the others take their defaults)
+    as text, clean, checked and with duplicates dropped as training reads them with the tokenizer of
+    `model_path` (default: the embedded MiniLM's)."""
+    from infjax.models.hf.files import embedded_minilm_path
+    from infjax.training import setup as setup_lib
+
+    config = config_lib.base_config("multi_pi")
+    config.data.update(data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config))
+    return list(setup_lib.open_training_data(config, model_path or embedded_minilm_path()).records)

@@ -359,20 +359,16 @@ def _sharded_step_parts(impl, monkeypatch):
     """Loss and parameter gradients of MiniLM's multi_pi objective on one 128-token padded batch, jitted with
     the rows split over the 8-device mesh, attention `impl`."""
     from infjax.data import batches
-    from infjax.data.tokenize import TextFormat, Tokenizer
     from infjax.models.encoder import load_encoder
     from infjax.runtime import mesh as mesh_lib
     from infjax.training import embed, setup as setup_lib
     from infjax import losses
-    from tests.helpers.configs import small_config
+    from tests.helpers.configs import padded_builder, small_config
 
     monkeypatch.setenv(A.ENV, impl)
     config = small_config("multi_pi")
     encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    sampler = batches.InstructionNegativeSampler(records, config.loss.instruction_negatives, config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 128, 128, True, sampler)
+    build = padded_builder(config, path, 128, 128)
     mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
     encoder = encoder.with_activation_sharding(mesh_lib.batch_sharding(mesh))
     batch = mesh_lib.put(build(0), mesh_lib.batch_sharding(mesh))

@@ -165,14 +165,14 @@ def test_incompatible_changes_allow_harmless_keys():
 
 def _poison_step(monkeypatch, poisoned_step):
     """Make the loss of one step infinite: a test-only batch key read by a wrapped loss function."""
-    original_call = batches.BatchBuilder.__call__
+    original_assemble = batches.BatchBuilder.assemble
     original_loss_fn = embed_lib.make_loss_fn
 
-    def call(self, step):
-        batch = original_call(self, step)
+    def assemble(self, step):
+        batch, info = original_assemble(self, step)
         rows = len(batch["p_ids"]) if "p_ids" in batch else len(batch["p"]["ids"])    # padded or packed
         batch["poison"] = np.full((rows,), 1.0 if step == poisoned_step else 0.0, np.float32)
-        return batch
+        return batch, info
 
     def make_loss_fn(*args, **kwargs):
         inner = original_loss_fn(*args, **kwargs)
@@ -182,7 +182,7 @@ def _poison_step(monkeypatch, poisoned_step):
             return loss + jnp.where(jnp.sum(batch["poison"]) > 0, jnp.inf, 0.0), metrics
         return loss_fn
 
-    monkeypatch.setattr(batches.BatchBuilder, "__call__", call)
+    monkeypatch.setattr(batches.BatchBuilder, "assemble", assemble)
     monkeypatch.setattr(embed_lib, "make_loss_fn", make_loss_fn)
 
 

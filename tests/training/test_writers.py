@@ -128,12 +128,12 @@ def test_real_tokens_per_s_counts_the_non_padding_tokens_of_each_step(run20):
     workdir, _, rows, _ = run20
     config = small_config()
     encoder, _, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    setup = setup_lib.make_batch_setup(config, records, encoder, path, setup_lib.make_objective(config))
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    setup = setup_lib.make_batch_setup(config, data, encoder, path, setup_lib.make_objective(config))
     build = setup.build
     for r in [r for r in rows if "loss" in r][:4]:
         texts, _ = build.side_texts(r["step"] - 1, local=False)
-        tokens = sum(len(ids) for side, t in texts.items() for ids in build.tokenizer.tokens(t, build.max_len(side)))
+        tokens = sum(len(ids) for side, t in texts.items() for ids in build.texts.tokenizer.tokens(t, build.max_len(side)))
         assert r["real_tokens_per_s"] / r["examples_per_s"] == pytest.approx(tokens / build.global_rows, rel=1e-9)
 
 
@@ -141,10 +141,10 @@ def test_real_tokens_per_s_counts_the_non_padding_tokens_of_each_step(run20):
 def test_real_tokens_of_a_batch_padded_or_packed(packing):
     config = small_config(**{"data.packing": packing})
     encoder, _, path = load_encoder(config.model)
-    records = setup_lib.load_training_records(config.data)
-    build = setup_lib.make_batch_setup(config, records, encoder, path, setup_lib.make_objective(config)).build
+    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    build = setup_lib.make_batch_setup(config, data, encoder, path, setup_lib.make_objective(config)).build
     texts, _ = build.side_texts(3)
-    want = sum(len(ids) for side, t in texts.items() for ids in build.tokenizer.tokens(t, build.max_len(side)))
+    want = sum(len(ids) for side, t in texts.items() for ids in build.texts.tokenizer.tokens(t, build.max_len(side)))
     batch = build(3)
     padded = sum(v.size for k, v in batch.items() if k.endswith("_mask")) if not packing else \
         sum(v["mask"].size for v in batch.values())

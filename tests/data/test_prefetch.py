@@ -1,0 +1,67 @@
+"""Prefetch: the steps built ahead (a thread, worker processes) are the steps built in line, in order, from any start;
+a step's error reaches the loop as itself; the waits are counted."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from infjax.data import batches, packing, prefetch, synthetic, token_store
+from infjax.data.tokenize import TextFormat, Tokenizer
+from tests.helpers.tiny import tiny_bert_path
+
+
+@pytest.fixture(scope="module")
+def build():
+    """A packed builder over 2 shards (the shapes measured over its steps), on the synthetic records."""
+    records = synthetic.make_train_records(64, seed=2)
+    store = token_store.in_memory(records, tiny_bert_path(), token_store.Encoding(40, 40))
+    plan = batches.BatchPlan(len(store), 8, seed=0)
+    b = batches.BatchBuilder(store, plan, 40, 40, True, batches.InstructionNegativeSampler(len(store.pool), 2, 0),
+                             texts=batches.Texts(records, Tokenizer(tiny_bert_path()), TextFormat()), shards=2)
+    shapes = batches.measure_shapes(b, range(12), 2, max_shapes=2)
+    return dataclasses.replace(b, shapes=shapes, capacities=shapes.capacities(shapes.largest))
+
+
+def _equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], dict):
+            _equal(a[k], b[k])
+        else:
+            np.testing.assert_array_equal(a[k], b[k])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streamed_steps_are_the_steps_built_in_line_from_any_start(build, workers):
+    stream = prefetch.StepStream(build, 3, 12, workers=workers, ahead=3)
+    with stream as steps:
+        seen = []
+        for step, batch, info in steps:
+            want, want_info = build.assemble(step)
+            _equal(batch, want)
+            assert info == want_info and set(info["texts"]) == {"q", "p", "n"}
+            seen.append(step)
+    assert seen == list(range(3, 12)) and stream.built == 9 and stream.waited > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_error_building_a_step_reaches_the_loop_as_itself(build, workers):
+    """A step that does not fit its capacity: the loop gets the PackingOverflow naming the step and the key to
+    raise, after the steps before it."""
+    tight = dataclasses.replace(build, shapes=None, capacities={s: packing.Capacity(1, c.length, c.texts)
+                                                                for s, c in build.capacities.items()},
+                                capacity_keys={"q": "data.pack_rows_query", "p": "data.pack_rows_passage",
+                                               "n": "data.pack_rows_negatives"})
+    with prefetch.StepStream(tight, 5, 9, workers=workers) as steps:
+        with pytest.raises(packing.PackingOverflow, match=r"step 5, side '\w+'.*raise data.pack_rows_"):
+            next(steps)
+
+
+def test_auto_takes_a_thread_unless_two_processes_would_build(build, monkeypatch):
+    assert prefetch.choose_workers(build, 3, 0, 10) == (3, "data.step_workers=3")
+    monkeypatch.setattr(prefetch, "cores", lambda: 16)
+    for cost, workers in ((0.004, 0), (0.015, 2), (0.034, 4), (1.0, 15)):
+        monkeypatch.setattr(prefetch, "step_cost", lambda b, steps, c=cost: c)
+        assert prefetch.choose_workers(build, -1, 0, 10)[0] == workers
+    monkeypatch.setattr(prefetch, "cores", lambda: 2)
+    assert prefetch.choose_workers(build, -1, 0, 10)[0] == 0            # one process does no more than the thread

@@ -1,0 +1,305 @@
+"""Tokenize once: the token store against the tokenizer itself, and its cache (key, lock, reuse, failures)."""
+import gc
+import json
+import logging
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+
+from infjax.benchmarks.shapes import inf_ir_shaped_records, write_byte_bpe_tokenizer
+from infjax.data import batches, token_store
+from infjax.data.tokenize import TextFormat, Tokenizer
+from tests.helpers.configs import changed, small_config
+from tests.helpers.tiny import tiny_bert_path
+
+# Texts a byte-level BPE splits in many ways: accents, digits, punctuation runs, emoji, several spaces.
+ODD = ["Résumé of café 1999 -- très bien!!", "3.14159 apples,, 42nd   street", "naïve façade 🙂 x2",
+       "what's \"quoted\" (here)?", "Ünïcödé, 中文 and 日本語"]
+
+
+def _records(n=40):
+    records = inf_ir_shaped_records(n, seed=4)
+    for i, r in enumerate(records[:len(ODD)]):
+        r["query_positive"] = ODD[i]
+        r["instruction_negative"] = ODD[(i + 1) % len(ODD)] + " instead"
+        r["document_positive"] = ODD[(i + 2) % len(ODD)] + " " + r["document_positive"]
+    return records
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """WordPiece with [CLS]/[SEP] (MiniLM's), byte-level BPE without special tokens (Qwen2's kind), and the same
+    BPE adding a BOS token in front (Llama's kind)."""
+    root = tmp_path_factory.mktemp("tokenizers")
+    bpe = str(root / "bpe")
+    write_byte_bpe_tokenizer(bpe)
+    bos = str(root / "bpe_bos")
+    os.makedirs(bos)
+    for name in os.listdir(bpe):
+        with open(os.path.join(bpe, name), "rb") as src, open(os.path.join(bos, name), "wb") as dst:
+            dst.write(src.read())
+    with open(os.path.join(bos, "tokenizer.json"), encoding="utf-8") as f:
+        spec = json.load(f)
+    special = "<|endoftext|>"
+    spec["post_processor"] = {"type": "TemplateProcessing",
+                              "single": [{"SpecialToken": {"id": special, "type_id": 0}},
+                                         {"Sequence": {"id": "A", "type_id": 0}}],
+                              "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                              "special_tokens": {special: {"id": special, "ids": [spec["added_tokens"][0]["id"]],
+                                                           "tokens": [special]}}}
+    with open(os.path.join(bos, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(spec, f)
+    return {"wordpiece": tiny_bert_path(), "bpe": bpe, "bpe_bos": bos}
+
+
+def _builder(store, records, path, fmt, interaction="concat", k=3):
+    plan = batches.BatchPlan(len(store), 8, seed=1)
+    sampler = None if interaction == "cross_attention" else batches.InstructionNegativeSampler(len(store.pool), k, 1)
+    meta = store.meta["encoding"]
+    return batches.BatchBuilder(store, plan, meta["query_max_len"], meta["passage_max_len"], True, sampler,
+                                interaction=interaction, texts=batches.Texts(records, Tokenizer(path), fmt))
+
+
+FORMATS = [("default", TextFormat(), "concat"),
+           ("e5 prefixes, instruction first", TextFormat("{instruction} {query}", "query: ", "passage: "), "concat"),
+           ("constants around and between", TextFormat("Instruct: {instruction}\nQuery: {query} .", "", ""), "concat"),
+           ("interaction II", TextFormat("{query} {instruction}", "query: ", "passage: "), "cross_attention")]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "bpe_bos"])
+@pytest.mark.parametrize("name,fmt,interaction", FORMATS, ids=[f[0] for f in FORMATS])
+def test_assembled_ids_are_the_tokenizers_ids_of_the_whole_texts(tokenizers, kind, name, fmt, interaction):
+    """Every side of a step, assembled from the store's pieces, equals what the tokenizer makes of the step's
+    texts (special tokens, template constants, cuts at max length on both sides); the cut flags equal the
+    tokenizer's uncut lengths over max length."""
+    path = tokenizers[kind]
+    records = _records()
+    store = token_store.in_memory(records, path, token_store.Encoding(24, 40, fmt, interaction))
+    assert store.exact, store.meta["mismatch_example"]
+    build = _builder(store, records, path, fmt, interaction)
+    tokenizer = build.texts.tokenizer
+    cut_seen = 0
+    for step in range(3):
+        sides, groups = build.side_ids(step)
+        texts, text_groups = build.side_texts(step)
+        assert set(sides) == set(texts)
+        for side, v in sides.items():
+            want = tokenizer.tokens(texts[side], build.max_len(side))
+            got = np.split(v.flat, np.cumsum(v.lengths)[:-1]) if len(v.lengths) else []
+            assert [g.tolist() for g in got] == [w.tolist() for w in want], side
+            cut = np.array(tokenizer.lengths(texts[side])) > build.max_len(side)
+            np.testing.assert_array_equal(v.cut, cut)
+            cut_seen += int(cut.sum())
+        if interaction == "cross_attention":
+            np.testing.assert_array_equal(groups, text_groups)
+    assert cut_seen > 0                                   # the lengths cut texts on some side
+
+
+def test_a_template_the_tokenizer_does_not_split_at_its_fields_is_tokenized_each_step(tokenizers, caplog):
+    """Byte-level BPE reads "what?Find" unlike "what?" + "Find": the store says it cannot assemble the queries
+    (one warning naming an example), and the batches are then the tokenizer's own, built the old way."""
+    from infjax.training import setup as setup_lib
+
+    path = tokenizers["bpe"]
+    records = _records()
+    fmt = TextFormat("{query}{instruction}")
+    config = changed(small_config(), **{"data.query_template": "{query}{instruction}", "data.query_max_len": 24,
+                                        "data.passage_max_len": 40})
+    with caplog.at_level(logging.WARNING):
+        data = setup_lib.open_training_data(config, path, records=records)
+    assert not data.store.exact and data.store.meta["mismatch"] > 0
+    assert "cannot be assembled from their fields' ids" in caplog.text and "the tokenizer gives" in caplog.text
+    build = _builder(data.store, list(data.records), path, fmt)
+    texts, _ = build.side_texts(2)
+    sides, _ = build.side_ids(2)
+    for side, v in sides.items():
+        want = build.texts.tokenizer.tokens(texts[side], build.max_len(side))
+        assert np.concatenate(want).tolist() == v.flat.tolist()
+
+
+def test_packed_and_padded_batches_equal_those_of_the_tokenized_texts(tokenizers):
+    """The whole batch (packed over 4 shards; padded on the right and on the left) from the store equals the one
+    built the old way, from each step's texts through the tokenizer."""
+    import dataclasses
+
+    from infjax.data import packing
+
+    path = tokenizers["bpe_bos"]
+    records = _records()
+    fmt = TextFormat()
+    store = token_store.in_memory(records, path, token_store.Encoding(24, 40, fmt))
+    old = dataclasses.replace(store, meta={**store.meta, "exact": False})      # the same data, tokenized per step
+    for side_pad in ("right", "left"):
+        new_b = dataclasses.replace(_builder(store, records, path, fmt), padding_side=side_pad)
+        old_b = dataclasses.replace(_builder(old, records, path, fmt), padding_side=side_pad)
+        for step in range(3):
+            a, b = new_b(step), old_b(step)
+            assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    new_b, old_b = _builder(store, records, path, fmt), _builder(old, records, path, fmt)
+    sides = new_b.side_ids(0)[0]
+    caps = {s: packing.capacity_for([v.lengths.tolist()], 4, 48) for s, v in sides.items()}
+    caps = {s: packing.Capacity(c.rows + 1, c.length, c.texts) for s, c in caps.items()}
+    new_b, old_b = (dataclasses.replace(b, capacities=caps, shards=4) for b in (new_b, old_b))
+    for step in range(3):
+        try:
+            a, b = new_b(step), old_b(step)
+        except packing.PackingOverflow:
+            continue
+        for side in a:
+            for key in packing.KEYS:
+                np.testing.assert_array_equal(a[side][key], b[side][key])
+
+
+# --------------------------------------------------------------------------
+# The cache
+# --------------------------------------------------------------------------
+
+def _write(path, records, extra=None):
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(dict(r, **(extra or {}))) + "\n")
+    return str(path)
+
+
+def _config(source, cache, **overrides):
+    return changed(small_config(), **{"data.source": str(source), "data.cache_dir": str(cache),
+                                      "data.query_max_len": 32, "data.passage_max_len": 48, **overrides})
+
+
+def _open(config):
+    from infjax.training import setup as setup_lib
+
+    return setup_lib.open_training_data(config, tiny_bert_path())
+
+
+def _arrays(store):
+    """The store's arrays, copied out of their memory maps."""
+    return {k: np.array(getattr(store, k)) for k in ("tokens", "offset", "length", "uncut", "source", "kept",
+                                                         "pool", "own")}
+
+
+def test_the_cache_is_built_once_reused_and_keyed_by_content(tmp_path, caplog):
+    """A second open reads the cache (no tokenizing); a file rewritten in place with the same size and date but
+    other bytes, another max length, or another template each make another cache entry; the cached store equals
+    one tokenized in memory."""
+    records = _records(30)
+    data_file = tmp_path / "msmarco.jsonl"
+    _write(data_file, records)
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="infjax.data"):
+        first = _open(_config(data_file, cache)).store
+    assert "tokenizing 30 rows" in caplog.text and first.folder.startswith(str(cache))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="infjax.data"):
+        again = _open(_config(data_file, cache)).store
+    assert "tokenizing" not in caplog.text and again.folder == first.folder
+    memory = token_store.in_memory(records, tiny_bert_path(), token_store.Encoding(32, 48))
+    for k, v in _arrays(memory).items():
+        np.testing.assert_array_equal(_arrays(again)[k], v, err_msg=k)
+    assert again.fingerprint == memory.fingerprint
+    stat = os.stat(data_file)
+    swapped = records[1:2] + records[:1] + records[2:]                     # same bytes, other order
+    _write(data_file, swapped)
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert os.path.getsize(data_file) == stat.st_size
+    folders = {first.folder}
+    for config in (_config(data_file, cache), _config(data_file, cache, **{"data.passage_max_len": 64}),
+                   _config(data_file, cache, **{"data.query_template": "{instruction} {query}"})):
+        store = _open(config).store
+        assert store.folder not in folders
+        folders.add(store.folder)
+    assert sorted(os.listdir(cache / "tokens")) == sorted([os.path.basename(f) for f in folders] +
+                                                          [os.path.basename(f) + ".lock" for f in folders])
+
+
+def test_bad_rows_and_duplicates_are_said_on_every_run_from_the_cache_too(tmp_path, caplog):
+    records = _records(12)
+    bad = dict(records[3], query_negative=records[3]["query_positive"])    # a negative equal to its positive
+    rows = records + [bad, records[5]]                                      # and a duplicate of record 5
+    data_file = _write(tmp_path / "msmarco.jsonl", rows)
+    config = _config(data_file, tmp_path / "cache", **{"data.on_bad_row": "skip"})
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            data = _open(config)
+        assert "skipped 1 bad row(s): (row 12, 'query_negative'" in caplog.text
+        assert "1 duplicate record(s) dropped (data.dedupe=True): record 12 repeats record 5" in caplog.text
+        assert len(data.store) == 12 and data.records[5]["document_positive"] == records[5]["document_positive"].strip()
+
+
+def test_a_failed_build_leaves_no_cache_and_the_fixed_data_builds(tmp_path):
+    """A bad row (on_bad_row=error) stops the build naming its row; nothing of it is left in the cache (no
+    folder, no temporary one), and the data, fixed, builds."""
+    from infjax.data.inf_ir import BadRowError
+
+    records = _records(10)
+    rows = records + [dict(records[0], instruction_positive="   ")]
+    data_file = _write(tmp_path / "msmarco.jsonl", rows)
+    cache = tmp_path / "cache"
+    with pytest.raises(BadRowError, match=r"row 10, field 'instruction_positive'"):
+        _open(_config(data_file, cache))
+    assert [n for n in os.listdir(cache / "tokens") if not n.endswith(".lock")] == []
+    _write(data_file, records)
+    assert len(_open(_config(data_file, cache)).store) == 10
+
+
+def test_a_damaged_cache_entry_is_said_and_built_again(tmp_path, caplog):
+    """A cache entry whose ids file was cut (a full disk, a copy stopped halfway) is not read: one warning says
+    what is wrong, and the entry is tokenized again, equal to the first."""
+    data_file = _write(tmp_path / "msmarco.jsonl", _records(10))
+    config = _config(data_file, tmp_path / "cache")
+    store = _open(config).store
+    first, folder = _arrays(store), store.folder
+    del store                                  # no map of the file is left to read past its new end
+    gc.collect()
+    size = os.path.getsize(os.path.join(folder, "tokens.bin"))
+    os.truncate(os.path.join(folder, "tokens.bin"), size // 2)
+    with caplog.at_level(logging.WARNING):
+        again = _open(config).store
+    assert f"token cache {folder} is damaged (tokens.bin has {size // 2} bytes, meta.json says {size})" in caplog.text
+    for k, v in first.items():
+        np.testing.assert_array_equal(_arrays(again)[k], v, err_msg=k)
+
+
+def test_an_object_store_cache_dir_is_refused_before_anything_is_read():
+    from infjax import config as config_lib
+
+    config = small_config(**{"data.cache_dir": "gs://bucket/cache"})
+    with pytest.raises(config_lib.ConfigError, match=r"config.data.cache_dir='gs://bucket/cache': must be a local"):
+        config_lib.validate(config, 8)
+
+
+def _open_in_child(args):
+    source, cache, out = args
+    logging.basicConfig(level=logging.INFO, filename=out, filemode="w", force=True)
+    store = _open(_config(source, cache)).store
+    return store.folder, int(np.asarray(store.tokens).sum())
+
+
+def test_processes_that_start_together_build_one_cache_and_agree(tmp_path):
+    """Two processes opening one data set at once: one tokenizes, the other waits for it and reads the same
+    folder; worker processes tokenize the same ids as this process."""
+    records = _records(60)
+    data_file = _write(tmp_path / "msmarco.jsonl", records)
+    cache = tmp_path / "cache"
+    ctx = multiprocessing.get_context("spawn")
+    logs = [str(tmp_path / f"log{i}") for i in range(2)]
+    with ctx.Pool(2) as pool:
+        results = pool.map(_open_in_child, [(data_file, str(cache), log) for log in logs])
+    assert results[0] == results[1]
+    texts = [open(log).read() for log in logs]
+    assert sum("tokenizing 60 rows" in t for t in texts) == 1
+    job = token_store.Job([("msmarco", _dataset(records), dict(token_store.inf_ir.DEFAULT_FIELD_MAP))],
+                          tiny_bert_path(), "right", token_store.Encoding(32, 48), chunk_rows=16)
+    in_workers = token_store.build(job, token_store.Reading(), {}, None, workers=2)
+    here = token_store.build(job, token_store.Reading(), {}, None, workers=0)
+    for k, v in _arrays(here).items():
+        np.testing.assert_array_equal(_arrays(in_workers)[k], v, err_msg=k)
+
+
+def _dataset(records):
+    import datasets
+
+    return datasets.Dataset.from_dict({k: [r[k] for r in records] for k in records[0]})
