@@ -79,9 +79,11 @@ def choose_workers(build: BatchBuilder, requested: int, start: int, stop: int) -
     """(worker processes, why): `requested` when >= 0, else from what a step costs to build here."""
     if requested >= 0:
         return requested, f"data.step_workers={requested}"
-    sample = list(range(start, min(stop, start + 3)))
+    sample = list(range(start, min(stop, start + 4)))
     if not sample:
         return 0, "nothing to build"
+    if len(sample) > 1:          # the first step pays for what the others find ready (caches, the files' pages)
+        build.assemble(sample.pop(0))
     cost = step_cost(build, sample) * 1e3
     workers = min(math.ceil(cost / THREAD_MS), cores() - 1)
     if workers < 2:              # one process would do no more than the thread, and pay for the copies
