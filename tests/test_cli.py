@@ -18,7 +18,8 @@ ENTRY_POINTS = {
     "export": ("infjax.export", ("workdir", "out")),
     "curate": ("infjax.curate", ("input", "out")),
     **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}", {"train": ("config",), "compile": ("config", "target")}.get(n, ()))
-       for n in ("accelerator", "checkpoint", "compile", "encode", "encode-corpus", "export", "generate", "loss", "train")},
+       for n in ("accelerator", "checkpoint", "compile", "encode", "encode-corpus", "export", "generate", "loss", "pipeline",
+                 "train")},
 }
 
 
