@@ -50,6 +50,9 @@ def test_default_preset_is_embedded_and_hub_presets_point_at_hub_ids():
     ("data.on_bad_row", "ignore", "config.data.on_bad_row='ignore'"),
     ("data.pack_shapes", 0, "config.data.pack_shapes=0: must be an integer >= 1"),
     ("data.pack_rows_passage", -2, "config.data.pack_rows_passage=-2: must be an integer >= 0"),
+    ("data.step_workers", -2, "config.data.step_workers=-2: must be an integer >= -1"),
+    ("data.tokenize_workers", -3, "config.data.tokenize_workers=-3: must be an integer >= -1"),
+    ("data.prefetch", 0, "config.data.prefetch=0: must be an integer >= 1"),
     ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
     ("mesh.data", 3, "config.mesh.data=3"),
 ])
