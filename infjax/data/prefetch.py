@@ -5,7 +5,7 @@ step numbers, mapped by `BatchBuilder.assemble`. Random access by step fits the
 batches: each is a pure function of (seed, step), so any worker builds any
 step, a resume starts at its step, and the batches are the same whoever built
 them (tests/data/test_prefetch.py). grain keeps the order of the steps, bounds
-what is built ahead, and moves a worker process's arrays through shared memory.
+what is built ahead, and re-raises a worker's error in the loop.
 
 Where: `data.step_workers` worker processes (spawned, not forked: this process
 runs JAX's threads; each maps the token store's files again), or 0: one
@@ -35,6 +35,7 @@ import time
 import numpy as np
 
 from infjax.data.batches import BatchBuilder
+from infjax.data.token_store import cores
 
 log = logging.getLogger("infjax.data")
 
@@ -60,9 +61,6 @@ def _quiet_worker(index: int, count: int) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def step_cost(build: BatchBuilder, steps: list[int]) -> float:

@@ -363,11 +363,15 @@ def _tasks(sources, chunk_rows: int) -> list[tuple[int, int, int]]:
             for start in range(0, len(ds), chunk_rows)]
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _worker_count(requested: int, rows: int) -> int:
     if requested >= 0:
         return requested
-    return 0 if rows < IN_PROCESS_ROWS else max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                                else os.cpu_count() or 1)
+    return 0 if rows < IN_PROCESS_ROWS else cores()
 
 
 def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progress: bool = True) -> dict:
