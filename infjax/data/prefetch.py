@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -55,11 +56,19 @@ class Assemble:
 
 
 def _quiet_worker(index: int, count: int) -> None:
-    """A worker process leaves signals to the loop's process (which stops the run, then the workers) and the
-    tokenizer's threads to the cores of the other workers."""
+    """A worker process leaves signals to the loop's process (which stops the run, then the workers), ends with
+    it, and leaves the tokenizer's threads to the cores of the other workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True, name="infjax-parent-watch").start()
+
+
+def _exit_with(parent: int, poll_s: float = 1.0) -> None:
+    """End this worker once `parent` is gone (killed with -9, it stops no worker: they would outlive it)."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(0)
 
 
 

@@ -1,5 +1,6 @@
 """Prefetch: the steps built ahead (a thread, worker processes) are the steps built in line, in order, from any start;
 a step's error reaches the loop as itself; the waits are counted."""
+import os
 import dataclasses
 
 import numpy as np
@@ -65,3 +66,37 @@ def test_auto_takes_a_thread_unless_two_processes_would_build(build, monkeypatch
         assert prefetch.choose_workers(build, -1, 0, 10)[0] == workers
     monkeypatch.setattr(prefetch, "cores", lambda: 2)
     assert prefetch.choose_workers(build, -1, 0, 10)[0] == 0            # one process does no more than the thread
+
+
+def test_a_worker_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    """A step worker ignores SIGINT and SIGTERM (the loop's process stops it), so it must notice that process
+    die by -9: the middle process here starts a worker-like child running `_exit_with` on it, then is killed."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "child.pid"
+    child = (f"import os; from infjax.data import prefetch; open({str(marker)!r}, 'w').write(str(os.getpid())); "
+             f"prefetch._exit_with(os.getppid(), 0.05)")
+    middle = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys, time; "
+                               f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(600)"])
+    deadline = time.time() + 60
+    while not (marker.exists() and marker.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    pid = int(marker.read_text())
+    os.kill(pid, 0)                                       # alive while its parent is
+    middle.send_signal(signal.SIGKILL)
+    middle.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:          # ended, not yet reaped (a container's init may not)
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except (ProcessLookupError, FileNotFoundError):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the worker {pid} outlived its killed parent")
