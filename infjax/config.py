@@ -15,7 +15,7 @@ from infjax.data.tokenize import validate_template
 from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
 from infjax.losses import OBJECTIVES
-from infjax.models import attention, remat as remat_lib
+from infjax.models import attention, precision, remat as remat_lib
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.lora import PROJECTIONS as LORA_PROJECTIONS
 from infjax.models.registry import FAMILIES
@@ -90,6 +90,9 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.model.pooling = "auto"           # auto (the family's own: mean for encoders, last for decoders) | mean | cls | last
     c.model.shared_encoder = True      # one theta for passages and instruction-queries
     c.model.dtype = "float32"          # compute dtype: float32 | bfloat16 (params stay float32)
+    c.model.residual_dtype = "float32" # under bfloat16: the residual stream, norms and lookups in float32, as
+                                       # torch.autocast (float32) | in bfloat16 too (compute: half the stream's
+                                       # memory, less precise gradients; models/precision.py, docs/precision.md)
     c.model.dropout = False            # apply the checkpoint's dropout during training
     c.model.interaction = "concat"     # concat: iq = g(template(I, Q)) (Interaction I) | cross_attention:
                                        # iq = attention of g(I) over Q's tokens (Interaction II, Eq. 4)
@@ -262,7 +265,8 @@ RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "tr
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
                      "data.pack_shapes",
-                     "checkpoint.", "eval.", "mesh.", "model.remat", "model.remat_memory_gb", "model.dtype")
+                     "checkpoint.", "eval.", "mesh.", "model.remat", "model.remat_memory_gb", "model.dtype",
+                     "model.residual_dtype")
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -341,6 +345,8 @@ def _validate_objective_and_model(c) -> None:
     _check(c.model.pooling in ("auto",) + POOLINGS, "model.pooling", c.model.pooling,
            "must be auto (the family's own), mean, cls or last")
     _check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", c.model.dtype, "must be float32 or bfloat16")
+    _check(c.model.residual_dtype in precision.RESIDUAL_DTYPES, "model.residual_dtype", c.model.residual_dtype,
+           "must be float32 (as torch.autocast) or compute (the model.dtype)")
     _check(isinstance(c.model.scan_layers, bool), "model.scan_layers", c.model.scan_layers, "must be True or False")
     why = remat_lib.validate(c.model.remat)
     _check(why is None, "model.remat", c.model.remat, why or "")

@@ -1,6 +1,11 @@
 """Every parameter's bfloat16 gradient against its float32 gradient, leaf by leaf.
 
+    python -m infjax.bench gradients --config=configs/multi_pi.py [--vs_torch] [--config.KEY=VALUE ...]
     rows = gradients.compare(config)      # any run config: its model.dtype is replaced by each of the two
+
+`bench gradients` prints the worst leaves for each `model.residual_dtype` (models/precision.py), and with
+`--vs_torch` beside them the same comparison for torch.autocast through the Hugging Face model on the same batch
+and parameters (benchmarks/torch_gradients.py), leaf by leaf under Hugging Face's names.
 
 One gradient of the run's own loss (the trainer's gradient function, `training.step.make_grad_fn`) from the
 same float32 parameters on the run's first batch, once with the model computing in float32 and once in
@@ -54,18 +59,21 @@ def leaf_path(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
-def run_gradient(config, dtype: str, records: list[dict] | None = None, params=None):
+def run_gradient(config, dtype: str, records: list[dict] | None = None, params=None, with_setup: bool = False):
     """(loss, gradients as numpy float32, the float32 parameters used) of `config`'s first batch with the model
-    computing in `dtype`. `params`: the float32 model tree to start from (default: the checkpoint's). One
-    device; no dropout (both dtypes compute the same function)."""
+    computing in `dtype`; with `with_setup`, the run's `bench_train.Setup` as a fourth item. `params`: the float32
+    model tree to start from (default: the checkpoint's). One device; no dropout (both dtypes compute the same
+    function)."""
     c = config_lib.override(config.copy_and_resolve_references(), {"model.dtype": dtype})
     setup = bench_train.Setup(c, records, weights=params is None, devices=jax.devices()[:1])
     params = setup.params if params is None else params
     trainable, frozen = lora.split(params)
-    grad_fn = step_lib.make_grad_fn(setup.encoder, setup.objective, dropout=False, chunk_size=c.train.chunk_size,
-                                    mesh=setup.mesh)
+    # the layers under the policy the run takes (`auto`: the one it chose), not the module's placeholder
+    grad_fn = step_lib.make_grad_fn(setup.encoder.with_remat(setup.remat), setup.objective, dropout=False,
+                                    chunk_size=c.train.chunk_size, mesh=setup.mesh)
     (loss, _), grads = jax.jit(grad_fn)(trainable, setup.batch(0), jax.random.key(0), frozen)
-    return float(loss), jax.tree.map(lambda g: np.asarray(g, np.float32), grads), params
+    out = float(loss), jax.tree.map(lambda g: np.asarray(g, np.float32), grads), params
+    return out + (setup,) if with_setup else out
 
 
 def leaf_errors(reference, other) -> list[LeafError]:
@@ -98,3 +106,106 @@ def compare(config, records: list[dict] | None = None, params=None, tolerance: f
 def table(errors: list[LeafError], worst: int = 5) -> str:
     """The `worst` leaves as text lines: relative error, |g_f32|, shape, path."""
     return "\n".join(f"{e.relative:9.2e}  {e.norm:9.2e}  {str(list(e.shape)):<14} {e.path}" for e in errors[:worst])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# python -m infjax.bench gradients
+# ----------------------------------------------------------------------------------------------------------
+
+def define_flags(fv) -> None:
+    from absl import flags
+
+    from infjax import cli
+    cli.define_config(fv, "Config file, e.g. configs/multi_pi.py[:preset]; --config.KEY=VALUE overrides a key.",
+                      lock_config=False)
+    flags.DEFINE_bool("vs_torch", False, "beside infjax's, torch.autocast's bf16 gradient against torch's float32 "
+                      "through the Hugging Face model, same batch and parameters (padded batch: data.packing off; "
+                      "needs torch and transformers)", flag_values=fv)
+    flags.DEFINE_string("residual_dtypes", "float32,compute", "the model.residual_dtype choices to measure, "
+                        "comma-separated", flag_values=fv)
+    flags.DEFINE_integer("worst", 5, "leaves listed per comparison, worst first", flag_values=fv)
+
+
+def _named(grads, folder: str) -> dict:
+    """A gradient tree under Hugging Face's parameter names (the model's tree of one shared tower)."""
+    from infjax.models import encoder as encoder_lib
+    from infjax.models.hf import files as hf_files
+
+    family = encoder_lib.detect_family(folder)
+    tree = grads["shared"] if "shared" in grads else grads
+    return {k: np.asarray(v, np.float64)
+            for k, v in family.names.to_hf(tree, family.config.from_hf_dict(hf_files.load_hf_config(folder))).items()}
+
+
+def torch_anchor(config, batch: dict) -> list[LeafError]:
+    """torch.autocast's bf16 gradient against torch's float32, leaf by leaf (benchmarks/torch_gradients.py), on
+    `batch` (the unpacked batch infjax computed its gradients on)."""
+    from infjax.benchmarks import torch_gradients
+    from infjax.models import encoder as encoder_lib
+    from infjax.training import setup as setup_lib
+
+    folder = encoder_lib.checkpoint_path(config.model.checkpoint)
+    family = encoder_lib.detect_family(folder)
+    objective = setup_lib.make_objective(config)
+    pooling = encoder_lib.resolve_pooling(config.model.pooling, family)
+
+    def loss_fn(iq, p, iq_neg=None):
+        from infjax import losses
+        return losses.contrastive_loss(objective, iq=iq, p=p, iq_neg=iq_neg)[0]
+
+    out = {}
+    for autocast in (False, True):
+        out[autocast] = torch_gradients.gradients(folder, family.padding_side, batch, pooling, loss_fn, autocast)
+    names = sorted(out[False][1])
+    return leaf_errors({n: out[False][1][n] for n in names}, {n: out[True][1][n] for n in names}), \
+        {"float32": out[False][0], "autocast": out[True][0]}
+
+
+def main(argv: list[str]) -> None:
+    from infjax import cli
+    from infjax.models import encoder as encoder_lib, precision
+
+    fv = cli.parse("python -m infjax.bench gradients", define_flags, argv, doc=__doc__.split("\n\n")[0],
+                   required=("config",), after=cli.load_config, catch=cli.CONFIG_ERRORS,
+                   message=cli.config_flag_error)
+    choices = [x.strip() for x in fv.residual_dtypes.split(",") if x.strip()]
+    bad = [x for x in choices if x not in precision.RESIDUAL_DTYPES]
+    if bad or not choices:
+        raise config_lib.ConfigError(f"--residual_dtypes={fv.residual_dtypes!r}: each must be one of "
+                                     f"{precision.RESIDUAL_DTYPES}")
+    c = config_lib.override(fv.config, {"eval.synthetic": False, "eval.canary": ""})
+    if fv.vs_torch:
+        if c.model.lora.rank or c.model.interaction != "concat" or not c.model.shared_encoder:
+            raise config_lib.ConfigError("--vs_torch compares one shared backbone's gradients: it takes "
+                                         "model.lora.rank=0, model.interaction=concat, model.shared_encoder=True")
+        c = config_lib.override(c, {"data.packing": False})
+    folder = encoder_lib.checkpoint_path(c.model.checkpoint)
+    print(f"{folder}: pooling {c.model.pooling}, remat {c.model.remat}, scan_layers {c.model.scan_layers}, "
+          f"lora rank {c.model.lora.rank}, packing {c.data.packing}, objective {c.objective}, "
+          f"batch {c.train.batch_size}; one gradient on the first batch; relative error per leaf "
+          f"|g - g_f32| / max(|g_f32|, {NEGLIGIBLE:g} x the largest leaf's)", flush=True)
+    loss32, g32, params, setup = run_gradient(c, "float32", params=None, with_setup=True)
+    if setup.remat_line:
+        print(setup.remat_line)
+    named = (lambda g: _named(g, folder)) if fv.vs_torch else (lambda g: g)
+    columns, losses_line = {}, [f"infjax float32 {loss32:.6f}"]
+    for choice in choices:
+        loss16, g16, _ = run_gradient(config_lib.override(c, {"model.residual_dtype": choice}), "bfloat16",
+                                      params=params)
+        columns[f"infjax bf16, residual {choice}"] = leaf_errors(named(g32), named(g16))
+        losses_line.append(f"bf16 residual {choice} {loss16:.6f}")
+    if fv.vs_torch:
+        anchor, anchor_losses = torch_anchor(c, {k: np.asarray(v) for k, v in setup.build(0).items()})
+        columns["torch.autocast bf16"] = anchor
+        losses_line.append(f"torch float32 {anchor_losses['float32']:.6f}, autocast {anchor_losses['autocast']:.6f}")
+    print("loss: " + "; ".join(losses_line))
+    for name, errors in columns.items():
+        print(f"\n{name} against float32: worst {errors[0].relative:.2e}, median {np.median([e.relative for e in errors]):.2e}"
+              f" over {len(errors)} leaves\n{table(errors, fv.worst)}")
+    if fv.vs_torch:
+        anchor = {e.path: e.relative for e in columns.pop("torch.autocast bf16")}
+        for name, errors in columns.items():
+            ratios = [e.relative / anchor[e.path] for e in errors if anchor.get(e.path)]
+            worse = sum(1 for e in errors if e.relative > anchor.get(e.path, np.inf))
+            print(f"{name}: worse than torch.autocast on {worse} of {len(errors)} leaves; error / autocast's per "
+                  f"leaf: median {np.median(ratios):.2f}, largest {max(ratios):.2f}")

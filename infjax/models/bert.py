@@ -184,12 +184,14 @@ class BertSelfAttention(nn.Module):
 
 
 class BertLayer(nn.Module):
-    """One post-LayerNorm transformer block: LN(x + attn(x)), then LN(x + mlp(x))."""
+    """One post-LayerNorm transformer block: LN(x + attn(x)), then LN(x + mlp(x)); x and the norms in
+    `residual_dtype` (None: the compute dtype; models/precision.py), the projections and attention in `dtype`."""
 
     config: BertConfig
     deterministic: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual_dtype: Any = None
 
     @nn.compact
     def __call__(self, x, segment_ids):
@@ -197,17 +199,18 @@ class BertLayer(nn.Module):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
 
         def layer_norm(name):
-            return L.layer_norm(cfg.layer_norm_eps, name, use_bias=True, two_pass_variance=False, **kw)
+            return L.layer_norm(cfg.layer_norm_eps, name, use_bias=True, two_pass_variance=False,
+                                dtype=self.residual_dtype or self.dtype, param_dtype=self.param_dtype)
 
         def dropout(h):
             return nn.Dropout(cfg.hidden_dropout_prob)(h, deterministic=self.deterministic)
 
         attn = BertSelfAttention(cfg, self.deterministic, name="attention", **kw)(x, segment_ids)
-        x = layer_norm("attention_LayerNorm")(x + dropout(attn))
+        x = layer_norm("attention_LayerNorm")(precision.add(x, dropout(attn)))
         h = L.dense(cfg.intermediate_size, "intermediate", use_bias=True, lora=cfg.lora, role="up", **kw)(x)
         h = L.dense(cfg.hidden_size, "output", use_bias=True, lora=cfg.lora, role="down", **kw)(
             L.activation(cfg.hidden_act)(h))
-        return layer_norm("output_LayerNorm")(x + dropout(h))
+        return layer_norm("output_LayerNorm")(precision.add(x, dropout(h)))
 
 
 class BertModel(nn.Module):
@@ -215,8 +218,10 @@ class BertModel(nn.Module):
 
     Attributes:
       config: architecture.
-      dtype: compute dtype (e.g. ``jnp.bfloat16``); the output has this dtype.
+      dtype: compute dtype (e.g. ``jnp.bfloat16``).
       param_dtype: dtype of the parameters (float32).
+      residual: the residual stream's dtype (and the output's) under a lower-precision `dtype`: "float32" (as
+        torch.autocast) or "compute" (models/precision.py).
       remat: what each layer keeps for the backward pass and what it recomputes: a policy of
         models/remat.py (none, dots, dots_except_mlp, offload, full; True/False = full/none).
         (gradient checkpointing); does not change the parameter tree.
@@ -231,6 +236,7 @@ class BertModel(nn.Module):
     config: BertConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual: str = "float32"
     remat: Any = "none"
     scan_layers: bool = False
     activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
@@ -241,9 +247,11 @@ class BertModel(nn.Module):
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = BertEmbeddings(cfg, name="embeddings", **kw)(input_ids, token_type_ids, segment_positions(attention_mask),
-                                                         deterministic)
-        layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
+        stream = precision.residual_dtype(self.dtype, self.residual)
+        # the lookups, their sum and its LayerNorm are the stream's start: in its dtype
+        x = BertEmbeddings(cfg, name="embeddings", dtype=stream, param_dtype=self.param_dtype)(
+            input_ids, token_type_ids, segment_positions(attention_mask), deterministic)
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, residual_dtype=stream, **kw)
         return L.run_layers(BertLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
                             (attention_mask,), first=0,
                             remat=self.remat, scan=self.scan_layers, sharding=self.activation_sharding)

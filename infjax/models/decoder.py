@@ -146,30 +146,33 @@ class DecoderAttention(nn.Module):
         else:
             drop = None if self.deterministic or cfg.attention_dropout == 0.0 else nn.Dropout(cfg.attention_dropout)
             ctx = attention(q, k, v, segment_ids, causal=True, dropout=drop)
-        out = L.dense(cfg.hidden_size, "o_proj", use_bias=False, role="o", **kw)(ctx.reshape(b, t, -1).astype(x.dtype))
+        out = L.dense(cfg.hidden_size, "o_proj", use_bias=False, role="o", **kw)(ctx.reshape(b, t, -1))
         return out if cache is None else (out, cache)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); x and the norms in `residual_dtype` (None: the
+    compute dtype; models/precision.py), the projections, attention and MLP in `dtype`."""
 
     config: DecoderConfig
     deterministic: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual_dtype: Any = None
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, cache=None):
         """The block on x [B, T, H]; with a key/value `cache` (see `DecoderAttention`) returns (x, cache)."""
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = L.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **kw)(x)
+        norm = dict(dtype=self.residual_dtype or self.dtype, param_dtype=self.param_dtype)
+        h = L.RMSNorm(cfg.rms_norm_eps, name="input_layernorm", **norm)(x)
         attn = DecoderAttention(cfg, self.deterministic, name="self_attn", **kw)(h, cos, sin, segment_ids, cache)
         if cache is not None:
             attn, cache = attn
-        x = x + attn
-        h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **kw)(x)
-        x = x + L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", lora=cfg.lora, **kw)(h)
+        x = precision.add(x, attn)
+        h = L.RMSNorm(cfg.rms_norm_eps, name="post_attention_layernorm", **norm)(x)
+        x = precision.add(x, L.GatedMLP(cfg.intermediate_size, cfg.hidden_act, name="mlp", lora=cfg.lora, **kw)(h))
         return x if cache is None else (x, cache)
 
 
@@ -179,6 +182,8 @@ class DecoderModel(nn.Module):
     Attributes:
       config: architecture.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
+      residual: the residual stream's dtype under a lower-precision `dtype`: "float32" (as torch.autocast)
+        or "compute" (models/precision.py).
       remat: what each layer keeps for the backward pass and what it recomputes: a policy of
         models/remat.py (none, dots, dots_except_mlp, offload, full; True/False = full/none).
       scan_layers: run the blocks with ``nn.scan`` (parameters stacked under ``layers``).
@@ -190,6 +195,7 @@ class DecoderModel(nn.Module):
     config: DecoderConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual: str = "float32"
     remat: Any = "none"
     scan_layers: bool = False
     activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
@@ -197,18 +203,20 @@ class DecoderModel(nn.Module):
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, deterministic: bool = True, position_ids=None):
         cfg = self.config
+        stream = precision.residual_dtype(self.dtype, self.residual)
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         if position_ids is None:
             position_ids = segment_positions(attention_mask)
         x = precision.Embed(cfg.vocab_size, cfg.hidden_size, embedding_init=nn.initializers.normal(stddev=0.02),
-                     dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")(input_ids)
+                     dtype=stream, param_dtype=self.param_dtype, name="embed_tokens")(input_ids)
         cos, sin = L.rope_cos_sin(position_ids, L.rope_inv_freq(cfg.head_dim, cfg.rope))
-        layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype)
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, dtype=self.dtype, param_dtype=self.param_dtype,
+                            residual_dtype=stream)
         x = L.run_layers(DecoderLayer, layer_kwargs, x, [0] * cfg.num_hidden_layers,
                          (cos, sin, attention_mask), first=0,
                          remat=self.remat, scan=self.scan_layers, sharding=self.activation_sharding)
-        return L.RMSNorm(cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype, name="norm")(x)
+        return L.RMSNorm(cfg.rms_norm_eps, dtype=stream, param_dtype=self.param_dtype, name="norm")(x)
 
 
 def hf_names(config: DecoderConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:

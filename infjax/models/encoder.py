@@ -168,6 +168,7 @@ def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEnc
     family = detect_family(path, model_config.get("family", "auto"))
     spec = lora_spec(model_config, family)
     module, backbone, hf_config, path = family.load(path, dtype=DTYPES[model_config.dtype],
+                                                    residual=model_config.get("residual_dtype", "float32"),
                                                     remat=load_remat(model_config.get("remat", "none")),
                                                     scan_layers=bool(model_config.get("scan_layers", False)),
                                                     weights=weights, lora=spec)

@@ -41,16 +41,21 @@ def gelu_erf(x: jax.Array) -> jax.Array:
     return 0.5 * x * (1 + jax.lax.erf(x * np.asarray(2 ** -0.5, x.dtype)))
 
 
-# Hugging Face activation names (ACT2FN) -> JAX functions. "gelu" is the exact
-# erf GELU; the tanh variants are the approximation.
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    return jax.nn.gelu(x, approximate=True)
+
+
+# Hugging Face activation names (ACT2FN) -> JAX functions. "gelu" is the exact erf GELU; the tanh variants are
+# the approximation. In bfloat16 each computes in float32 and rounds once (precision.in_float32), as torch does.
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "gelu": gelu_erf,
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-}
+    name: precision.in_float32(fn) for name, fn in {
+        "gelu": gelu_erf,
+        "gelu_new": gelu_tanh,
+        "gelu_pytorch_tanh": gelu_tanh,
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+    }.items()}
 
 
 def activation(name: str, source: str = "config.json", key: str = "hidden_act") -> Callable:

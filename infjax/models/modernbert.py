@@ -186,22 +186,26 @@ class ModernBertMLP(nn.Module):
 
 
 class ModernBertLayer(nn.Module):
-    """Pre-norm block; ``first`` (layer 0) has no attention norm."""
+    """Pre-norm block; ``first`` (layer 0) has no attention norm. x and the norms in `residual_dtype` (None: the
+    compute dtype; models/precision.py), the projections, attention and MLP in `dtype`."""
 
     config: ModernBertConfig
     first: bool = False
     deterministic: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual_dtype: Any = None
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, window):
         cfg = self.config
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        h = x if self.first else L.layer_norm(cfg.norm_eps, "attn_norm", **kw)(x)
-        x = x + ModernBertAttention(cfg, self.deterministic, name="attn", **kw)(h, cos, sin, segment_ids, window)
-        h = L.layer_norm(cfg.norm_eps, "mlp_norm", **kw)(x)
-        return x + ModernBertMLP(cfg, self.deterministic, name="mlp", **kw)(h)
+        norm = dict(dtype=self.residual_dtype or self.dtype, param_dtype=self.param_dtype)
+        h = x if self.first else L.layer_norm(cfg.norm_eps, "attn_norm", **norm)(x)
+        x = precision.add(x, ModernBertAttention(cfg, self.deterministic, name="attn", **kw)(h, cos, sin, segment_ids,
+                                                                                              window))
+        h = L.layer_norm(cfg.norm_eps, "mlp_norm", **norm)(x)
+        return precision.add(x, ModernBertMLP(cfg, self.deterministic, name="mlp", **kw)(h))
 
 
 def _select(is_global, cos_g, sin_g, cos_l, sin_l, segment_ids, window):
@@ -221,6 +225,8 @@ class ModernBertModel(nn.Module):
     Attributes:
       config: architecture.
       dtype: compute dtype (e.g. ``jnp.bfloat16``); parameters stay ``param_dtype``.
+      residual: the residual stream's dtype under a lower-precision `dtype`: "float32" (as torch.autocast)
+        or "compute" (models/precision.py).
       remat: what each layer keeps for the backward pass and what it recomputes: a policy of
         models/remat.py (none, dots, dots_except_mlp, offload, full; True/False = full/none).
       scan_layers: run layers 1..N-1 with ``nn.scan`` (parameters stacked under ``layers``).
@@ -232,6 +238,7 @@ class ModernBertModel(nn.Module):
     config: ModernBertConfig
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    residual: str = "float32"
     remat: Any = "none"
     scan_layers: bool = False
     activation_sharding: Any = None    # of the [B, L, H] activations between layers (layers.run_layers)
@@ -242,20 +249,22 @@ class ModernBertModel(nn.Module):
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-        x = ModernBertEmbeddings(cfg, name="embeddings", **kw)(input_ids, deterministic)
+        stream = precision.residual_dtype(self.dtype, self.residual)
+        x = ModernBertEmbeddings(cfg, name="embeddings", dtype=stream, param_dtype=self.param_dtype)(
+            input_ids, deterministic)
         positions = segment_positions(attention_mask)
         cos_g, sin_g = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.global_rope_theta)))
         cos_l, sin_l = L.rope_cos_sin(positions, L.rope_inv_freq(cfg.head_dim, L.RopeConfig(cfg.local_rope_theta)))
         shared = (cos_g, sin_g, cos_l, sin_l, attention_mask, cfg.window)
         is_global = [kind == "full_attention" for kind in cfg.layer_types]
-        layer_kwargs = dict(config=cfg, deterministic=deterministic, **kw)
+        layer_kwargs = dict(config=cfg, deterministic=deterministic, residual_dtype=stream, **kw)
         x = L.run_layers(ModernBertLayer, {**layer_kwargs, "first": True}, x, is_global[:1], shared,
                          first=0, remat=self.remat, scan=False, select=_select, sharding=self.activation_sharding)
         if cfg.num_hidden_layers > 1:
             x = L.run_layers(ModernBertLayer, layer_kwargs, x, is_global[1:], shared, first=1,
                              remat=self.remat, scan=self.scan_layers, select=_select,
                              sharding=self.activation_sharding)
-        return L.layer_norm(cfg.norm_eps, "final_norm", **kw)(x)
+        return L.layer_norm(cfg.norm_eps, "final_norm", dtype=stream, param_dtype=self.param_dtype)(x)
 
 
 def hf_names(config: ModernBertConfig) -> Iterator[tuple[str, tuple[str, ...], bool]]:

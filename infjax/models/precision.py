@@ -15,6 +15,17 @@ row read by thousands of tokens keeps a fraction of its gradient (on a CPU, 16,8
 a native atomic add. Spread in float32 and cast the spread values instead: the forward pass computes exactly
 the same numbers (rounding commutes with copying), and the backward sums in float32.
 
+The residual stream is the other half of the rule, and the one choice it leaves (`model.residual_dtype`,
+`residual_dtype` below). torch.autocast, the setup the paper trains with (Hugging Face Trainer, `bf16=True`),
+runs the matmuls and attention in bfloat16 and everything else on float32 weights in float32: the embedding
+output, every residual add, every norm. Kept in bfloat16 instead, the stream is rounded at every add, so each
+layer's small update loses its last bits against the running sum, and the backward's sum over layers does the
+same. With last-token pooling (the decoders' presets), where one token's state is the embedding, that put some
+of SmolLM2-135M's gradients 21% from float32, where autocast is within 9% (docs/benchmarks.md, bf16 gradients).
+"float32" (the default) keeps the stream, the norms and the embedding lookups in float32 as autocast does:
+every family adds a block's output onto the stream with `add`. "compute" keeps them in the compute dtype: the
+stream's saved activations take half the memory, at the precision above.
+
 `take` and `spread` are the two ways a parameter is spread, and `matmul` the product whose kernel gradient
 (a sum over every token) is a float32 dot; `Embed`, `Dense` and the norms of models/layers.py use them, so
 every family (BERT, ModernBERT, Llama, Qwen2) and LoRA's adapters follow the one rule. `repeat` does
@@ -24,11 +35,54 @@ path). The fused kernels (cuDNN, Pallas, splash, the CPU kernel) sum in float32 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+
+# model.residual_dtype: the dtype of the residual stream, the norms and the embedding lookups, when the model
+# computes in a lower precision ("float32": as torch.autocast; "compute": the compute dtype).
+RESIDUAL_DTYPES = ("float32", "compute")
+
+
+def residual_dtype(dtype: Any, choice: str = "float32") -> jnp.dtype:
+    """The residual stream's dtype for compute dtype `dtype` under `choice` (one of `RESIDUAL_DTYPES`)."""
+    if choice not in RESIDUAL_DTYPES:
+        raise ValueError(f"residual_dtype={choice!r}; expected one of {RESIDUAL_DTYPES}")
+    return jnp.dtype(jnp.float32 if choice == "float32" else (dtype or jnp.float32))
+
+
+def add(stream: jax.Array, branch: jax.Array) -> jax.Array:
+    """A residual add: `branch` (a block's output, in the compute dtype) onto `stream`, in the stream's dtype."""
+    return stream + branch.astype(stream.dtype)
+
+
+def in_float32(fn: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
+    """An elementwise activation `fn` (GELU, SiLU) that, on a lower-precision input, computes in float32 and rounds
+    once to the input's dtype, forward and backward, as torch's kernels compute a bf16 activation. Left to XLA in
+    bfloat16, GELU is a chain of bf16 operations, each rounded (MiniLM's gradients were then further from float32
+    than autocast's on 84 of 101 leaves, 31 with this). The backward recomputes from the saved low-precision
+    input: no float32 copy of the activation is kept. A float32 input is `fn`'s own, autodiff and all."""
+
+    @jax.custom_vjp
+    def low(x):
+        return fn(x.astype(jnp.float32)).astype(x.dtype)
+
+    def low_fwd(x):
+        return low(x), x
+
+    def low_bwd(x, ct):
+        _, vjp = jax.vjp(fn, x.astype(jnp.float32))
+        return (vjp(ct.astype(jnp.float32))[0].astype(x.dtype),)
+
+    low.defvjp(low_fwd, low_bwd)
+
+    @functools.wraps(fn)
+    def apply(x: jax.Array) -> jax.Array:
+        return fn(x) if jnp.finfo(x.dtype).bits >= 32 else low(x)
+    return apply
 
 
 def take(table: jax.Array, ids: jax.Array, dtype: Any) -> jax.Array:

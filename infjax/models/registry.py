@@ -56,10 +56,10 @@ class Family:
         return self.names.module
 
     def load(self, name_or_path: str, dtype: Any = jnp.float32, *, remat: bool = False, scan_layers: bool = False,
-             weights: bool = True, lora: Any = None) -> Loaded:
+             weights: bool = True, lora: Any = None, residual: str = "float32") -> Loaded:
         """Resolve, read and map a checkpoint of this family: ``(module, params, hf_config_dict, path)``.
 
-        ``module`` computes in ``dtype``; ``params`` are host float32 arrays, stacked under ``layers``
+        ``module`` computes in ``dtype``, its residual stream in `residual`'s dtype (models/precision.py); ``params`` are host float32 arrays, stacked under ``layers``
         with ``scan_layers``. Without ``weights`` only config.json is read and ``params`` are the tree's
         ShapeDtypeStructs. With a ``lora`` spec (models/lora.py) the module carries adapters where it
         says; ``params`` are still the checkpoint's (the adapters are made by the caller).
@@ -71,7 +71,8 @@ class Family:
         if model_type not in self.model_types:
             raise ValueError(f"{source}: model_type={model_type!r}, expected {' or '.join(map(repr, self.model_types))}")
         config = self.config.from_hf_dict(hf_config, source=source)
-        module = self.module(dataclasses.replace(config, lora=lora), dtype=dtype, remat=remat, scan_layers=scan_layers)
+        module = self.module(dataclasses.replace(config, lora=lora), dtype=dtype, residual=residual, remat=remat,
+                             scan_layers=scan_layers)
         if not weights:
             return Loaded(module, abstract_params(self.module(config, remat=remat, scan_layers=scan_layers)),
                           hf_config, path)

@@ -73,8 +73,17 @@ def capacity(memory_gb: float, device) -> int:
     return int(memory_gb * 1e9) if memory_gb else device_memory(device)
 
 
+def size(b: int | float) -> str:
+    """Bytes with at least two significant digits: 38.7 GB, 0.52 GB, 4.1 MB, 917 kB, 12 B."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= 0.1 * scale or unit == "kB" and b >= scale:
+            value = b / scale
+            return f"{value:.{1 if value >= 1 else 2}f} {unit}"
+    return f"{int(b)} B"
+
+
 def _gb(b: int | None) -> str:
-    return "refused by the compiler" if b is None else f"{b / 1e9:.1f} GB"
+    return "refused by the compiler" if b is None else size(b)
 
 
 def fits(tried: Tried, capacity_bytes: int) -> bool:
@@ -104,7 +113,7 @@ def choose(compile_policy: Callable[[str], Tried], capacity_bytes: int,
     over = [tried[i] for i in sorted(tried) if i < index]
     others = "; ".join(f"{t.policy} needs {_gb(t.peak) if t.refused is None else 'more (' + t.refused[:80] + ')'}"
                        for t in over)
-    limit = f"{capacity_bytes / 1e9:.1f} GB less {MARGIN:.0%}"
+    limit = f"{size(capacity_bytes)} less {MARGIN:.0%}"
     line = f"remat: {chosen.policy} (peak {_gb(chosen.peak)} of {limit}" + (f"; {others})" if others else ")")
     if not fits(chosen, capacity_bytes):
         line += ": no policy fits; the step may fail to allocate (fewer rows per device, fsdp or LoRA need less)"

@@ -240,7 +240,9 @@ def test_bfloat16_compute_runs(family, checkpoint):
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(params16))     # params stay float32
     ids, mask = _batch(family)
     out = module16.apply({"params": params16}, ids, mask)
-    assert out.dtype == jnp.bfloat16 and bool(jnp.all(jnp.isfinite(out)))
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))      # the residual stream's dtype
+    all16, _, _, _ = LOADERS[family](folder, dtype=jnp.bfloat16, residual="compute")
+    assert all16.apply({"params": params16}, ids, mask).dtype == jnp.bfloat16
     pooling = "last" if family in DECODERS else "mean"
     side = "left" if family in DECODERS else "right"
     e32 = np.asarray(Encoder(module32, pooling, side)(params, ids, mask))

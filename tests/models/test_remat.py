@@ -99,12 +99,16 @@ def test_auto_takes_the_least_recompute_that_fits_by_the_compiled_memory(compile
         choice = remat_choice.choose(compile_policy, capacity, agree=lambda index: index)
         assert choice.policy == policy
         assert compiled_calls == list(reversed(remat.RECOMPUTE_ORDER[max(i - 1, 0):]))
-        assert choice.line.startswith(f"remat: {policy} (peak {compiled_qwen[policy][2] / 1e9:.1f} GB of ")
+        assert choice.line.startswith(f"remat: {policy} (peak {remat_choice.size(compiled_qwen[policy][2])} of "
+                                      f"{remat_choice.size(capacity)} less 10%")
         if i > 0:
             before = remat.RECOMPUTE_ORDER[i - 1]
-            assert choice.line.endswith(f"; {before} needs {compiled_qwen[before][2] / 1e9:.1f} GB)")
+            assert choice.line.endswith(f"; {before} needs {remat_choice.size(compiled_qwen[before][2])})")
     choice = remat_choice.choose(compile_policy, 1000, agree=lambda index: index)
     assert choice.policy == "full" and "no policy fits" in choice.line
+    # sizes keep two significant digits: not "peak 0.0 GB of 0.0 GB less 10%: no policy fits"
+    assert f"(peak {remat_choice.size(compiled_qwen['full'][2])} of 1.0 kB less 10%" in choice.line
+    assert [remat_choice.size(b) for b in (113.5e9, 0.52e9, 917e3, 12)] == ["113.5 GB", "0.52 GB", "0.92 MB", "12 B"]
 
 
 def test_every_process_takes_the_most_recompute_any_needs(compiled_qwen):
@@ -166,3 +170,4 @@ def test_offload_where_there_is_no_pinned_host_memory_is_full_with_one_warning(c
         assert remat.effective("offload", "cpu") == "full"
     assert len(caplog.records) == 1 and "model.remat=offload" in caplog.records[0].getMessage()
     assert remat.effective("dots", "cpu") == "dots" and remat.effective(True) == "full"
+
