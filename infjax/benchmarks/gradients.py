@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from infjax import config as config_lib
-from infjax.benchmarks import train as bench_train
-from infjax.models import lora
-from infjax.training import step as step_lib
+from infjax import cli, config as config_lib, losses
+from infjax.benchmarks import torch_gradients, train as bench_train
+from infjax.models import encoder as encoder_lib, lora, precision
+from infjax.models.hf import files as hf_files
+from infjax.training import setup as setup_lib, step as step_lib
 
 # The relative error a leaf may show by default (docstring above; the figures are in docs/benchmarks.md).
 LEAF_TOLERANCE = 0.025
@@ -90,12 +91,17 @@ def leaf_errors(reference, other) -> list[LeafError]:
     return sorted(out, key=lambda e: -e.relative)
 
 
-def compare(config, records: list[dict] | None = None, params=None, tolerance: float = LEAF_TOLERANCE) -> dict:
+def compare(config, records: list[dict] | None = None, params=None, tolerance: float = LEAF_TOLERANCE,
+            hf_names: bool = False) -> dict:
     """The two gradients of `config`'s first batch (float32 and bfloat16 compute) compared leaf by leaf:
     {"loss": {dtype: value}, "leaves": [LeafError, ...] worst first, "passed": every leaf finite and within
-    `tolerance`}."""
+    `tolerance`}. `hf_names`: the leaves under Hugging Face's names (one shared tower, no adapters), as
+    `torch_anchor` names its own."""
     loss32, g32, params = run_gradient(config, "float32", records, params)
     loss16, g16, _ = run_gradient(config, "bfloat16", records, params)
+    if hf_names:
+        folder = encoder_lib.checkpoint_path(config.model.checkpoint)
+        g32, g16 = named(g32, folder), named(g16, folder)
     errors = leaf_errors(g32, g16)
     limit = tolerance
     passed = all(np.isfinite(e.relative) and e.relative <= limit for e in errors)
@@ -115,21 +121,18 @@ def table(errors: list[LeafError], worst: int = 5) -> str:
 def define_flags(fv) -> None:
     from absl import flags
 
-    from infjax import cli
     cli.define_config(fv, "Config file, e.g. configs/multi_pi.py[:preset]; --config.KEY=VALUE overrides a key.",
                       lock_config=False)
     flags.DEFINE_bool("vs_torch", False, "beside infjax's, torch.autocast's bf16 gradient against torch's float32 "
-                      "through the Hugging Face model, same batch and parameters (padded batch: data.packing off; "
-                      "needs torch and transformers)", flag_values=fv)
+                      "through the Hugging Face model, same texts and parameters (one text per row, as Hugging Face "
+                      "trains; needs torch and transformers)", flag_values=fv)
     flags.DEFINE_string("residual_dtypes", "float32,compute", "the model.residual_dtype choices to measure, "
                         "comma-separated", flag_values=fv)
     flags.DEFINE_integer("worst", 5, "leaves listed per comparison, worst first", flag_values=fv)
 
 
-def _named(grads, folder: str) -> dict:
-    """A gradient tree under Hugging Face's parameter names (the model's tree of one shared tower)."""
-    from infjax.models import encoder as encoder_lib
-    from infjax.models.hf import files as hf_files
+def named(grads, folder: str) -> dict:
+    """A gradient tree of one shared tower under Hugging Face's parameter names (float64 arrays)."""
 
     family = encoder_lib.detect_family(folder)
     tree = grads["shared"] if "shared" in grads else grads
@@ -137,33 +140,50 @@ def _named(grads, folder: str) -> dict:
             for k, v in family.names.to_hf(tree, family.config.from_hf_dict(hf_files.load_hf_config(folder))).items()}
 
 
-def torch_anchor(config, batch: dict) -> list[LeafError]:
-    """torch.autocast's bf16 gradient against torch's float32, leaf by leaf (benchmarks/torch_gradients.py), on
-    `batch` (the unpacked batch infjax computed its gradients on)."""
-    from infjax.benchmarks import torch_gradients
-    from infjax.models import encoder as encoder_lib
-    from infjax.training import setup as setup_lib
+def padded_batch(config, records: list[dict] | None = None) -> dict:
+    """`config`'s first batch with one text per row (data.packing off; nothing compiled): host arrays."""
 
+    c = config_lib.override(config.copy_and_resolve_references(), {"data.packing": False})
+    encoder, _, path = encoder_lib.load_encoder(c.model, weights=False)
+    data = setup_lib.open_training_data(c, path, encoder.padding_side, records=records)
+    build = setup_lib.make_batch_setup(c, data, encoder, path, setup_lib.make_objective(c), num_devices=1).build
+    return {k: np.asarray(v) for k, v in build(0).items()}
+
+
+def torch_anchor(config, records: list[dict] | None = None) -> dict:
+    """torch.autocast's bf16 gradient against torch's float32 (benchmarks/torch_gradients.py) on `config`'s first
+    batch, one text per row: {"loss": {"float32", "autocast"}, "leaves": [LeafError, ...] under Hugging Face's
+    names, worst first}. Needs torch and transformers."""
+
+    if config.model.lora.rank or config.model.interaction != "concat" or not config.model.shared_encoder:
+        raise config_lib.ConfigError("the torch anchor computes one shared backbone's gradients: it takes "
+                                     "model.lora.rank=0, model.interaction=concat, model.shared_encoder=True")
     folder = encoder_lib.checkpoint_path(config.model.checkpoint)
     family = encoder_lib.detect_family(folder)
     objective = setup_lib.make_objective(config)
     pooling = encoder_lib.resolve_pooling(config.model.pooling, family)
+    batch = padded_batch(config, records)
 
     def loss_fn(iq, p, iq_neg=None):
-        from infjax import losses
         return losses.contrastive_loss(objective, iq=iq, p=p, iq_neg=iq_neg)[0]
 
-    out = {}
-    for autocast in (False, True):
-        out[autocast] = torch_gradients.gradients(folder, family.padding_side, batch, pooling, loss_fn, autocast)
-    names = sorted(out[False][1])
-    return leaf_errors({n: out[False][1][n] for n in names}, {n: out[True][1][n] for n in names}), \
-        {"float32": out[False][0], "autocast": out[True][0]}
+    (l32, g32), (l16, g16) = (torch_gradients.gradients(folder, family.padding_side, batch, pooling, loss_fn, autocast)
+                              for autocast in (False, True))
+    names = sorted(g32)
+    return {"loss": {"float32": l32, "autocast": l16},
+            "leaves": leaf_errors({n: g32[n] for n in names}, {n: g16[n] for n in names})}
+
+
+def against_anchor(errors: list[LeafError], anchor: list[LeafError]) -> dict:
+    """Per leaf (by name), `errors`' relative error over the anchor's: {"median", "largest" ratio, "worse": the
+    number of leaves where `errors` is larger, "leaves"}."""
+    theirs = {e.path: e.relative for e in anchor}
+    ratios = [e.relative / theirs[e.path] for e in errors if theirs.get(e.path)]
+    return {"median": float(np.median(ratios)), "largest": float(max(ratios)), "leaves": len(ratios),
+            "worse": sum(1 for e in errors if e.path in theirs and e.relative > theirs[e.path])}
 
 
 def main(argv: list[str]) -> None:
-    from infjax import cli
-    from infjax.models import encoder as encoder_lib, precision
 
     fv = cli.parse("python -m infjax.bench gradients", define_flags, argv, doc=__doc__.split("\n\n")[0],
                    required=("config",), after=cli.load_config, catch=cli.CONFIG_ERRORS,
@@ -174,11 +194,6 @@ def main(argv: list[str]) -> None:
         raise config_lib.ConfigError(f"--residual_dtypes={fv.residual_dtypes!r}: each must be one of "
                                      f"{precision.RESIDUAL_DTYPES}")
     c = config_lib.override(fv.config, {"eval.synthetic": False, "eval.canary": ""})
-    if fv.vs_torch:
-        if c.model.lora.rank or c.model.interaction != "concat" or not c.model.shared_encoder:
-            raise config_lib.ConfigError("--vs_torch compares one shared backbone's gradients: it takes "
-                                         "model.lora.rank=0, model.interaction=concat, model.shared_encoder=True")
-        c = config_lib.override(c, {"data.packing": False})
     folder = encoder_lib.checkpoint_path(c.model.checkpoint)
     print(f"{folder}: pooling {c.model.pooling}, remat {c.model.remat}, scan_layers {c.model.scan_layers}, "
           f"lora rank {c.model.lora.rank}, packing {c.data.packing}, objective {c.objective}, "
@@ -187,25 +202,24 @@ def main(argv: list[str]) -> None:
     loss32, g32, params, setup = run_gradient(c, "float32", params=None, with_setup=True)
     if setup.remat_line:
         print(setup.remat_line)
-    named = (lambda g: _named(g, folder)) if fv.vs_torch else (lambda g: g)
+    names = (lambda g: named(g, folder)) if fv.vs_torch else (lambda g: g)
     columns, losses_line = {}, [f"infjax float32 {loss32:.6f}"]
     for choice in choices:
         loss16, g16, _ = run_gradient(config_lib.override(c, {"model.residual_dtype": choice}), "bfloat16",
                                       params=params)
-        columns[f"infjax bf16, residual {choice}"] = leaf_errors(named(g32), named(g16))
+        columns[f"infjax bf16, residual {choice}"] = leaf_errors(names(g32), names(g16))
         losses_line.append(f"bf16 residual {choice} {loss16:.6f}")
+    anchor = None
     if fv.vs_torch:
-        anchor, anchor_losses = torch_anchor(c, {k: np.asarray(v) for k, v in setup.build(0).items()})
-        columns["torch.autocast bf16"] = anchor
-        losses_line.append(f"torch float32 {anchor_losses['float32']:.6f}, autocast {anchor_losses['autocast']:.6f}")
+        anchor = torch_anchor(c)
+        columns["torch.autocast bf16 (one text per row)"] = anchor["leaves"]
+        losses_line.append(f"torch float32 {anchor['loss']['float32']:.6f}, autocast {anchor['loss']['autocast']:.6f}")
     print("loss: " + "; ".join(losses_line))
     for name, errors in columns.items():
-        print(f"\n{name} against float32: worst {errors[0].relative:.2e}, median {np.median([e.relative for e in errors]):.2e}"
-              f" over {len(errors)} leaves\n{table(errors, fv.worst)}")
-    if fv.vs_torch:
-        anchor = {e.path: e.relative for e in columns.pop("torch.autocast bf16")}
-        for name, errors in columns.items():
-            ratios = [e.relative / anchor[e.path] for e in errors if anchor.get(e.path)]
-            worse = sum(1 for e in errors if e.relative > anchor.get(e.path, np.inf))
-            print(f"{name}: worse than torch.autocast on {worse} of {len(errors)} leaves; error / autocast's per "
-                  f"leaf: median {np.median(ratios):.2f}, largest {max(ratios):.2f}")
+        print(f"\n{name} against float32: worst {errors[0].relative:.2e}, median "
+              f"{np.median([e.relative for e in errors]):.2e} over {len(errors)} leaves\n{table(errors, fv.worst)}")
+    if anchor is not None:
+        for name, errors in list(columns.items())[:-1]:
+            r = against_anchor(errors, anchor["leaves"])
+            print(f"{name}: further from float32 than torch.autocast on {r['worse']} of {r['leaves']} leaves; "
+                  f"its error over autocast's, per leaf: median {r['median']:.2f}, largest {r['largest']:.2f}")
