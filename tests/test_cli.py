@@ -17,9 +17,10 @@ ENTRY_POINTS = {
     "evaluate": ("infjax.evaluate", ("model", "dataset")),
     "export": ("infjax.export", ("workdir", "out")),
     "curate": ("infjax.curate", ("input", "out")),
-    **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}", {"train": ("config",), "compile": ("config", "target")}.get(n, ()))
-       for n in ("accelerator", "checkpoint", "compile", "encode", "encode-corpus", "export", "generate", "loss", "pipeline",
-                 "train")},
+    **{f"bench {n}": (f"infjax.benchmarks.{n.replace('-', '_')}",
+                      {"train": ("config",), "compile": ("config", "target"), "gradients": ("config",)}.get(n, ()))
+       for n in ("accelerator", "checkpoint", "compile", "encode", "encode-corpus", "export", "generate", "gradients",
+                 "loss", "pipeline", "train")},
 }
 
 
