@@ -53,6 +53,7 @@ def test_default_preset_is_embedded_and_hub_presets_point_at_hub_ids():
     ("data.step_workers", -2, "config.data.step_workers=-2: must be an integer >= -1"),
     ("data.tokenize_workers", -3, "config.data.tokenize_workers=-3: must be an integer >= -1"),
     ("data.prefetch", 0, "config.data.prefetch=0: must be an integer >= 1"),
+    ("model.residual_dtype", "bfloat16", "config.model.residual_dtype='bfloat16': must be float32 (as torch.autocast)"),
     ("mesh.fsdp", 0, "config.mesh.fsdp=0"),
     ("mesh.data", 3, "config.mesh.data=3"),
 ])
