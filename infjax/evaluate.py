@@ -62,6 +62,7 @@ from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
 from infjax.models import attention
 from infjax.runtime import distributed, platform, storage
+from infjax.runtime.folder_lock import LOCK_FILE, FolderLock
 
 log = logging.getLogger("infjax.evaluate")
 
@@ -165,7 +166,7 @@ def pool_coverage(task) -> dict:
 def check_out(out: str, args) -> bool:
     """Whether `out` holds files to replace: an earlier evaluation of the same --model and --dataset, or
     anything with --overwrite. Any other non-empty folder is refused before the work starts."""
-    if not storage.exists(out) or not storage.listdir(out):
+    if not storage.exists(out) or not held_files(out):
         return False
     try:
         meta = json.loads(storage.read_text(storage.join(out, "meta.json")))
@@ -175,9 +176,25 @@ def check_out(out: str, args) -> bool:
     if earlier == (args.model, args.dataset) or args.overwrite:
         return True
     held = (f"an evaluation of --model={earlier[0]} on --dataset={earlier[1]}" if earlier else
-            f"other files ({sorted(storage.listdir(out))[:5]})")
+            f"other files ({held_files(out)[:5]})")
     raise DataError(f"--out={args.out} already holds {held}; choose another folder, or pass --overwrite to replace "
                     f"its content")
+
+
+def held_files(out: str) -> list[str]:
+    """What `out` holds besides the lock of the evaluation writing there, sorted."""
+    return sorted(name for name in storage.listdir(out) if name != LOCK_FILE)
+
+
+def clear_out(out: str) -> None:
+    """Remove what `out` holds except the lock file this evaluation holds (with the file gone, a second
+    evaluation could create and take a new lock while this one still writes)."""
+    for name in held_files(out):
+        path = storage.join(out, name)
+        if not storage.is_remote(path) and os.path.islink(path):
+            os.remove(path)                 # the link, never what it points to
+        else:
+            storage.rmtree(path)
 
 
 def check_folder_flag(flag: str, folder: str | None) -> None:
@@ -205,6 +222,12 @@ def run_evaluation(args: flags.FlagValues) -> dict:
         (os.path.expanduser(args.out) if args.out else None)
     for flag, folder in (("--out", args.out), ("--cache_dir", args.cache_dir)):   # before the (slow) evaluation
         check_folder_flag(flag, folder)
+    # one evaluation per --out: a second one started meanwhile is refused (process 0 writes --out)
+    with FolderLock(out or "", holder="evaluation", enabled=out is not None and jax.process_index() == 0):
+        return _evaluate(args, kind, out)
+
+
+def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
     replace = out is not None and check_out(out, args)
 
     def load_data(synthetic_defaults=None):
@@ -258,7 +281,7 @@ def run_evaluation(args: flags.FlagValues) -> dict:
                   f"queries left out of the means: no relevant document in the qrels (only grade-0 judgments)")
     if args.out:
         if replace:                     # the earlier evaluation goes only now that this one is complete
-            storage.rmtree(out)
+            clear_out(out)
         write_outputs(out, summary, meta, results)
         print(f"wrote {args.out}/summary.json")
     return {"summary": summary, "meta": meta, "results": results}

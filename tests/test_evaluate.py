@@ -476,6 +476,40 @@ def test_out_holding_another_evaluation_is_refused_unless_overwrite(tmp_path, ca
     assert "already holds other files (['notes.txt'])" in capsys.readouterr().err
 
 
+def test_a_second_evaluation_on_a_held_out_is_refused(tmp_path, capsys):
+    """Before: two evaluations started together with one --out both exited 0 and printed `wrote
+    .../summary.json`; one result was gone."""
+    from infjax.runtime.folder_lock import LOCK_FILE, FolderLock
+
+    out = tmp_path / "out"
+    args = ["--model=unused", f"--dataset=beir:{tmp_path / 'nowhere'}", f"--out={out}", "--no_progress"]
+    with FolderLock(str(out), holder="evaluation"):
+        assert evaluate.main(args) == 2
+        assert os.listdir(out) == [LOCK_FILE]                    # the refused evaluation wrote nothing
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"infjax.evaluate: error: --out={out} is in use by another evaluation (pid "
+                          f"{os.getpid()} on host ") and err.endswith("; wait for it to end or choose another --out")
+    out.mkdir()
+    (out / LOCK_FILE).write_text("")                            # what a finished evaluation leaves: no other file
+    assert evaluate.main(args) == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "in use" not in err and "already holds" not in err, err
+
+
+def test_replacing_an_evaluation_keeps_the_lock_file_and_follows_no_link(tmp_path):
+    from infjax.runtime.folder_lock import LOCK_FILE
+
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    (out / "sub").mkdir(parents=True)
+    kept.mkdir()
+    (kept / "precious.txt").write_text("mine")
+    for name in (LOCK_FILE, "summary.json", "sub/run.trec"):
+        (out / name).write_text("x")
+    os.symlink(kept, out / "linked")
+    evaluate.clear_out(str(out))
+    assert os.listdir(out) == [LOCK_FILE] and (kept / "precious.txt").read_text() == "mine"
+
+
 def test_a_runs_cache_key_is_its_weights_not_its_path():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P

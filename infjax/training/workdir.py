@@ -9,89 +9,37 @@ appended to, is rewritten whole at every checkpoint and at the end of the run.
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import json
 import logging
 import os
-import socket
 
 from infjax.errors import UserError
 from infjax.runtime import storage
+from infjax.runtime.folder_lock import LOCK_FILE, FolderBusy, FolderLock
 
 log = logging.getLogger("infjax.workdir")
 
-LOCK_FILE = ".infjax.lock"
 METRICS_FILE = "metrics.jsonl"
 
 
-class WorkdirBusy(UserError):
-    """Another live run holds the workdir's lock."""
+WorkdirBusy = FolderBusy         # another live run holds the workdir's lock
 
 
-class WorkdirLock:
-    """An exclusive `flock` on WORKDIR/.infjax.lock for the lifetime of a run (a context manager).
-
-    The kernel drops a flock when its process dies, however it dies, so a lock
-    file that still names a holder but can be locked was left by a run that
-    ended without releasing it: it is reported (who, where, since when) and
-    taken over. A clean release empties the file. A workdir this lock created
-    and that holds nothing else on release is removed, so a run refused before
-    it wrote anything leaves no folder behind.
-    """
+class WorkdirLock(FolderLock):
+    """The run's lock on WORKDIR/.infjax.lock (runtime/folder_lock.py) for the lifetime of a run: a second run
+    on the workdir is refused naming the holder; a lock left by a run that died is reported and taken over;
+    a workdir this lock created and that holds nothing else on release is removed. Before anything is opened,
+    none of the run's own files may be a symbolic link (`refuse_links`)."""
 
     def __init__(self, workdir: str, enabled: bool = True):
-        self.workdir, self.enabled = workdir, enabled
-        self.path = os.path.join(workdir, LOCK_FILE)
-        self._fd: int | None = None
-        self._created = False
+        super().__init__(workdir, flag="--workdir", holder="run", enabled=enabled)
+        self.workdir = workdir
 
-    def __enter__(self) -> "WorkdirLock":
-        if not self.enabled:
-            return self
-        if storage.is_remote(self.workdir):
-            log.info("--workdir=%s is on an object store: no lock; run one training per workdir", self.workdir)
-            return self
-        if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
-            raise UserError(f"--workdir={self.workdir} exists and is not a folder")
-        self._created = not os.path.exists(self.workdir)
+    def remote_note(self) -> str:
+        return f"--workdir={self.workdir} is on an object store: no lock; run one training per workdir"
+
+    def refuse_links(self) -> None:
         refuse_links(self.workdir)
-        try:
-            os.makedirs(self.workdir, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:       # a link planted after the check above
-                refuse_links(self.workdir)
-            raise PermissionError(f"--workdir={self.workdir} is not writable: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _read(fd)
-            os.close(fd)
-            raise WorkdirBusy(f"--workdir={self.workdir} is in use by another run ({_describe(holder)}); wait "
-                              f"for it to end or choose another --workdir") from None
-        stale = _read(fd)
-        if stale:
-            log.warning("%s: taking over the lock of a run that ended without releasing it (%s)", self.path,
-                        _describe(stale))
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                  "started": datetime.datetime.now().isoformat(timespec="seconds")}).encode(), 0)
-        os.fsync(fd)
-        self._fd = fd
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        if self._fd is None:
-            return False
-        os.ftruncate(self._fd, 0)
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
-        if self._created and os.listdir(self.workdir) == [LOCK_FILE]:
-            os.remove(self.path)
-            os.rmdir(self.workdir)
-        return False
 
 
 RUN_FILES = (LOCK_FILE, METRICS_FILE, "eval.json")    # the files of a run folder infjax writes in place
@@ -107,22 +55,6 @@ def refuse_links(workdir: str) -> None:
             raise UserError(f"{path} is a symbolic link (to {os.readlink(path)}); infjax writes that file of a run "
                             f"folder itself and does not follow links there: remove the link, or choose another "
                             f"--workdir")
-
-
-def _read(fd: int) -> dict:
-    try:
-        data = os.pread(fd, 4096, 0)
-        return json.loads(data) if data.strip() else {}
-    except (OSError, ValueError):
-        return {"unreadable": True}
-
-
-def _describe(holder: dict) -> str:
-    if not holder:
-        return "holder unknown"
-    if holder.get("unreadable"):
-        return "lock file unreadable"
-    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
 
 
 class MetricsLog:
