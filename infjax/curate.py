@@ -23,9 +23,10 @@ from absl import flags
 from infjax import cli, errors
 from infjax.curation import local, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
-from infjax.curation.backends import OpenAIBackend, ResponseCache
+from infjax.curation.backends import OpenAIBackend, ResponseCache, redacted_url
 from infjax.curation.retrieve import Retriever
 from infjax.runtime import platform, storage
+from infjax.runtime.folder_lock import FolderLock
 
 log = logging.getLogger("infjax.curate")
 PROG = "python -m infjax.curate"
@@ -50,7 +51,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("judge_model", "", "Judge model name on the same endpoint (default: --model).", flag_values=fv)
     flags.DEFINE_string("api_key_env", "OPENAI_API_KEY", "Environment variable holding the API key (may be unset).", flag_values=fv)
     flags.DEFINE_integer("concurrency", 8, "Requests in flight at most (openai).", flag_values=fv)
-    flags.DEFINE_float("timeout", 60.0, "Seconds per request before it is abandoned and retried (openai).", flag_values=fv)
+    flags.DEFINE_float("timeout", 60.0, "Seconds per request in all (connecting, sending, the whole answer) before it is "
+                                      "abandoned and retried (openai).", flag_values=fv)
     flags.DEFINE_integer("max_retries", 4, "Retries of a request after 429/5xx/timeouts (openai).", flag_values=fv)
     flags.DEFINE_float("backoff", 1.0, "First retry wait in seconds when the server gives no Retry-After.", flag_values=fv)
     flags.DEFINE_float("max_wait", 120.0, "Longest wait in seconds before a retry, whatever the server's Retry-After "
@@ -105,8 +107,8 @@ def validate(f: flags.FlagValues) -> list[str]:
     if f.backend == "openai":
         if not f.base_url:
             raise errors.UserError("--base_url (or $OPENAI_BASE_URL) is required with --backend=openai")
-        if not f.base_url.startswith(("http://", "https://")):
-            raise bad("base_url", "must start with http:// or https://")
+        if not f.base_url.startswith(("http://", "https://")):      # shown without a key in user:key@
+            raise errors.UserError(f"--base_url={redacted_url(f.base_url)!r}: must start with http:// or https://")
         if not f.model:
             raise errors.UserError("--model (or $INFJAX_CURATE_MODEL) is required with --backend=openai")
     elif f.local_model != local.SMOLLM2 and not os.path.isdir(os.path.expanduser(f.local_model)):
@@ -130,6 +132,11 @@ def identity(f: flags.FlagValues, s: stages_lib.Settings, generator: str, judge:
 
 def run(f: flags.FlagValues) -> dict:
     run_stages = validate(f)
+    with FolderLock(f.out, holder="curation"):       # one curation per --out: a second one is refused
+        return _curate(f, run_stages)
+
+
+def _curate(f: flags.FlagValues, run_stages: list[str]) -> dict:
     s = settings(f)
     cache = ResponseCache(os.path.expanduser(f.cache_dir) if f.cache_dir else os.path.join(f.out, "cache"))
     if f.backend == "openai":

@@ -2,12 +2,14 @@
 
 `Backend.complete(requests)` answers a list of chat requests, one `Completion` per request, in order. A
 request that cannot be answered (HTTP errors after the retries, a timeout, a body that is no chat
-completion) comes back with ``error`` set: a stage records it as a failed record, the run goes on.
+completion, an answer longer than its ``max_tokens`` allows) comes back with ``error`` set: a stage records
+it as a failed record, the run goes on.
 
 - `OpenAIBackend`: any OpenAI-compatible ``/chat/completions`` endpoint (``vllm serve``, SGLang, a hosted
-  API). At most ``concurrency`` requests in flight; 429 and 5xx answers, timeouts and broken connections are
-  retried up to ``max_retries`` times, waiting what the server's ``Retry-After`` header asks (seconds or an
-  HTTP date; at most ``max_wait``), else an exponential backoff; other 4xx answers are not retried.
+  API). At most ``concurrency`` requests in flight, each attempt within ``timeout`` seconds in all; 429 and
+  5xx answers, timeouts and broken connections are retried up to ``max_retries`` times, waiting what the
+  server's ``Retry-After`` header asks (seconds or an HTTP date; at most ``max_wait``), else an exponential
+  backoff; other 4xx answers are not retried. The client's secrets never leave it in what it logs or keeps.
 - `LocalBackend` (curation/local.py): infjax's own Flax decoders.
 
 Every backend goes through `ResponseCache`: one JSON file per answer under ``cache_dir``, keyed by
@@ -18,7 +20,8 @@ tokenizer counts for the local backend).
 """
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import base64
 import dataclasses
 import email.utils
 import hashlib
@@ -26,8 +29,10 @@ import json
 import logging
 import os
 import random
+import re
 import threading
 import time
+import urllib.parse
 
 from infjax.runtime import storage
 
@@ -178,8 +183,87 @@ def retry_after_seconds(value: str | None, now: float | None = None) -> float | 
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
+# An answer's length is bounded by what was asked: at most this many characters per requested token (a token
+# is about 4 characters of text; the longest tokens of common vocabularies, runs of spaces or of one
+# punctuation mark, a few dozen), and its body at most this many bytes besides (the JSON envelope: ids,
+# usage, finish reasons) plus 12 bytes per allowed character (the longest JSON escape of one character).
+CHARS_PER_TOKEN = 32
+ENVELOPE_BYTES = 64 * 1024
+ERROR_BODY_BYTES = 64 * 1024          # of an error answer's body, enough to show its beginning
+SHOWN_BODY_CHARS = 200                # of an error body in a message
+REDACTED = "***"
+
+
+def answer_char_limit(max_tokens: int) -> int:
+    return max_tokens * CHARS_PER_TOKEN
+
+
+def answer_byte_limit(max_tokens: int) -> int:
+    return ENVELOPE_BYTES + 12 * answer_char_limit(max_tokens)
+
+
+_USERINFO = re.compile(r"^((?:[A-Za-z][A-Za-z0-9+.-]*:)?//)?([^/?#@]*)@")
+
+
+def split_userinfo(url: str) -> tuple[str, str]:
+    """(`url` without its ``user:password@`` part, that part without the "@"; "" when it has none)."""
+    m = _USERINFO.match(url)
+    if not m:
+        return url, ""
+    return (m.group(1) or "") + url[m.end():], m.group(2)
+
+
+def redacted_url(url: str) -> str:
+    """`url` as it may be shown: a ``user:key@`` part is replaced by ``***@``."""
+    m = _USERINFO.match(url)
+    return url if not m else (m.group(1) or "") + f"{REDACTED}@" + url[m.end():]
+
+
+def escaped(text: str) -> str:
+    """`text` with every character a terminal would act on (escape sequences, control and format characters)
+    written as Python writes it in a repr (``\\x1b``, ``\\n``, ``\\u200b``), as data-set ids and answers are
+    shown in messages (``{value!r}``): server text never reaches the console raw."""
+    if text.isprintable():       # the common case
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class Redactor:
+    """Replaces every secret the client knows in a text by ``***``: the key, a URL's userinfo and each of its
+    parts (raw and percent-decoded), and so the Authorization header values sent (a Basic header's base64
+    too), each also as a JSON string writes it (``/`` as ``\\/``). Longer secrets first, so that one inside
+    another goes whole."""
+
+    def __init__(self, secrets):
+        variants = set()
+        for secret in secrets:
+            if not secret:
+                continue
+            for form in (secret, json.dumps(secret)[1:-1]):
+                variants.update((form, form.replace("/", "\\/")))
+        self.secrets = sorted(variants, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        return text
+
+
+class Oversized(Exception):
+    """An answer longer than its request allows (`answer_char_limit`, `answer_byte_limit`)."""
+
+
 class OpenAIBackend(Backend):
-    """An OpenAI-compatible chat-completions endpoint (see the module docstring)."""
+    """An OpenAI-compatible chat-completions endpoint (see the module docstring).
+
+    The server is a stranger: each attempt has a total deadline (``timeout`` seconds for the connection, the
+    request and every byte of the answer: a server that sends one byte at a time cannot hold a request
+    longer); an answer longer than its request's ``max_tokens`` allows is refused, unread past the bound;
+    every secret the client holds is removed from the server's text (error bodies, answers) before it is
+    logged, kept or written, and that text is escaped before it is shown. ``url`` is the endpoint as shown,
+    its userinfo (a key in ``https://user:key@host``) replaced by ``***``.
+    """
 
     kind = "openai"
     RETRY_STATUS = frozenset({408, 409, 429}) | frozenset(range(500, 600))
@@ -190,21 +274,48 @@ class OpenAIBackend(Backend):
         super().__init__(model, cache)
         import httpx
 
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        bare, userinfo = split_userinfo(base_url.rstrip("/"))
+        self._endpoint = bare + "/chat/completions"           # sent without the userinfo: httpx never sees it
+        self.url = redacted_url(base_url.rstrip("/")) + "/chat/completions"
         self.concurrency, self.max_retries, self.backoff, self.max_wait = concurrency, max_retries, backoff, max_wait
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        secrets = [api_key]
+        self._headers, self._auth = {}, None
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        if userinfo:            # as httpx does for a URL with userinfo: Basic authentication, over any key
+            raw_user, _, raw_password = userinfo.partition(":")
+            user, password = urllib.parse.unquote(raw_user), urllib.parse.unquote(raw_password)
+            self._auth = httpx.BasicAuth(user, password)
+            token = base64.b64encode(f"{user}:{password}".encode()).decode()
+            secrets += [userinfo, f"{user}:{password}", raw_user, raw_password, user, password, token]
+        self.redact = Redactor(secrets)
         self._httpx = httpx
-        self._client = httpx.Client(headers=headers, timeout=httpx.Timeout(timeout),
-                                    limits=httpx.Limits(max_connections=concurrency))
 
     def close(self):
-        self._client.close()
+        """Nothing is held between calls (each `complete` opens and closes its connections)."""
+
+    def shown(self, text: str, limit: int | None = None) -> str:
+        """Server text as a message may hold it: secrets redacted, then escaped, then cut at `limit` chars."""
+        text = escaped(self.redact(text))
+        return text if limit is None or len(text) <= limit else text[:limit] + "..."
 
     def _complete(self, requests: list[Request]) -> list[Completion]:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=self.concurrency) as pool:
-            return list(pool.map(self._one, requests))
+        return asyncio.run(self._complete_all(requests))
 
-    def _wait(self, attempt: int, retry_after: float | None, problem: str) -> None:
+    async def _complete_all(self, requests: list[Request]) -> list[Completion]:
+        httpx = self._httpx
+        slots = asyncio.Semaphore(self.concurrency)
+
+        async def one(client, request):
+            async with slots:
+                return await self._one(client, request)
+
+        async with httpx.AsyncClient(headers=self._headers, auth=self._auth, timeout=httpx.Timeout(self.timeout),
+                                     limits=httpx.Limits(max_connections=self.concurrency)) as client:
+            return list(await asyncio.gather(*(one(client, r) for r in requests)))
+
+    async def _wait(self, attempt: int, retry_after: float | None, problem: str) -> None:
         """Sleep before retry `attempt` + 1: what the server's Retry-After asks, else the backoff; at most
         max_wait (a server asking for a day must not stall the run silently). The log says how long."""
         wait = retry_after if retry_after is not None else self.backoff * 2 ** attempt * (1 + 0.25 * random.random())
@@ -214,9 +325,36 @@ class OpenAIBackend(Backend):
         log.info("request failed (%s); retry %d of %d in %.1f s%s%s", problem, attempt + 1, self.max_retries, wait,
                  asked, f", capped by --max_wait={self.max_wait:g}" if capped else "")
         self.usage.add(retries=1, wait=wait)
-        time.sleep(wait)
+        await asyncio.sleep(wait)
 
-    def _one(self, request: Request) -> Completion:
+    async def _post(self, client, body: dict, max_tokens: int) -> tuple[int, object, bytes]:
+        """POST `body`; (status, headers, body bytes). An answer (200) past `answer_byte_limit` raises
+        Oversized as soon as its length says so (declared or read); an error body is read up to
+        ERROR_BODY_BYTES."""
+        async with client.stream("POST", self._endpoint, json=body) as response:
+            ok = response.status_code == 200
+            limit = answer_byte_limit(max_tokens) if ok else ERROR_BODY_BYTES
+            declared = response.headers.get("content-length", "")
+            if ok and declared.isdigit() and int(declared) > limit:
+                raise Oversized(f"{int(declared):,} bytes to a request of max_tokens={max_tokens} (at most "
+                                f"{limit:,} bytes expected)")
+            data = bytearray()
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > limit:
+                    if ok:
+                        raise Oversized(f"more than {limit:,} bytes to a request of max_tokens={max_tokens}; "
+                                        f"not read further")
+                    del data[limit:]
+                    break
+            return response.status_code, response.headers, bytes(data)
+
+    def _refuse(self, reason: str) -> Completion:
+        message = f"answer refused: {reason}"
+        log.warning("%s: %s", self.url, message)
+        return Completion(None, error=message)
+
+    async def _one(self, client, request: Request) -> Completion:
         body = {"model": self.model, "messages": request.message_dicts(), "max_tokens": request.max_tokens,
                 "temperature": request.temperature, "seed": request.seed}
         if request.stop:
@@ -225,25 +363,37 @@ class OpenAIBackend(Backend):
         for attempt in range(self.max_retries + 1):
             retry_after = None
             try:
-                response = self._client.post(self.url, json=body)
+                async with asyncio.timeout(self.timeout):       # the whole attempt, however slowly it answers
+                    status, headers, data = await self._post(client, body, request.max_tokens)
+            except TimeoutError:
+                problem = f"timeout (no complete answer within {self.timeout:g} s)"
             except self._httpx.TimeoutException as e:
                 problem = f"timeout ({type(e).__name__})"
             except self._httpx.TransportError as e:
-                problem = f"connection error ({type(e).__name__}: {e})"
+                problem = f"connection error ({type(e).__name__}: {self.shown(str(e), SHOWN_BODY_CHARS)})"
+            except Oversized as e:
+                return self._refuse(str(e))
             else:
-                if response.status_code == 200:
+                text = data.decode("utf-8", errors="replace")
+                if status == 200:
                     try:
-                        return _parse_completion(response.json())
+                        completion = _parse_completion(json.loads(text))
                     except (ValueError, KeyError, IndexError, TypeError) as e:
-                        problem = f"not a chat completion ({type(e).__name__}: {str(e)[:120]})"
-                elif response.status_code in self.RETRY_STATUS:
-                    problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                    retry_after = retry_after_seconds(response.headers.get("retry-after"))
+                        problem = f"not a chat completion ({type(e).__name__}: {self.shown(str(e), 120)})"
+                    else:
+                        limit = answer_char_limit(request.max_tokens)
+                        if len(completion.text) > limit:
+                            return self._refuse(f"{len(completion.text):,} characters to a request of "
+                                                f"max_tokens={request.max_tokens} (at most {limit:,} expected, "
+                                                f"{CHARS_PER_TOKEN} per token)")
+                        return dataclasses.replace(completion, text=self.redact(completion.text))
+                elif status in self.RETRY_STATUS:
+                    problem = f"HTTP {status}: {self.shown(text, SHOWN_BODY_CHARS)}"
+                    retry_after = retry_after_seconds(headers.get("retry-after"))
                 else:
-                    return Completion(None, error=f"HTTP {response.status_code} (not retried): "
-                                                  f"{response.text[:200]}")
+                    return Completion(None, error=f"HTTP {status} (not retried): {self.shown(text, SHOWN_BODY_CHARS)}")
             if attempt < self.max_retries:
-                self._wait(attempt, retry_after, problem)
+                await self._wait(attempt, retry_after, problem)
         return Completion(None, error=f"{problem} (after {self.max_retries + 1} attempts)")
 
 

@@ -224,9 +224,14 @@ def test_a_retry_after_of_a_day_is_capped_by_max_wait_and_every_wait_is_logged(t
     from infjax import curate
     from infjax.curation import backends
 
-    slept, sleep = [], backends.time.sleep
-    # what the client sleeps, recorded (and never more than the cap here, so that a broken cap fails, not hangs)
-    monkeypatch.setattr(backends.time, "sleep", lambda s: (slept.append(s), sleep(min(s, 0.2)))[1])
+    slept, sleep = [], backends.asyncio.sleep
+
+    async def recorded(seconds, *args, **kwargs):
+        # what the client sleeps, recorded (and never more than the cap here, so that a broken cap fails, not hangs)
+        slept.append(seconds)
+        await sleep(min(seconds, 0.2), *args, **kwargs)
+
+    monkeypatch.setattr(backends.asyncio, "sleep", recorded)
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"query": f"q{i}", "passage": f"p{i}"}) + "\n" for i in range(2)))
@@ -271,7 +276,7 @@ def test_a_timeout_is_retried(tmp_path):
         assert answer.text == "on time" and server.count() == 2 and backend.usage.retries == 1
     with FakeChat(lambda body, n: Reply("late", delay=3.0)) as server:
         _, answer = one_request(server, tmp_path / "b", timeout=0.3, max_retries=1)
-        assert answer.error.startswith("timeout (ReadTimeout) (after 2 attempts)")
+        assert answer.error == "timeout (no complete answer within 0.3 s) (after 2 attempts)"
 
 
 def test_a_body_that_is_no_chat_completion_is_retried(tmp_path):
@@ -348,6 +353,123 @@ def test_a_row_cut_short_by_a_kill_is_discarded(tmp_path):
     assert list(store.rows) == ["a"] and path.read_bytes() == b'{"id": "a", "ok": true}\n'
     store.append([{"id": "b", "ok": False, "kind": "rejected"}])
     assert [json.loads(l)["id"] for l in open(path)] == ["a", "b"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The server is a stranger: a total deadline, no secret in what is logged or kept, its text escaped, an
+# answer no longer than asked; and one curation per --out
+# ---------------------------------------------------------------------------------------------------------
+
+def test_a_server_that_drips_its_response_is_cut_at_the_total_deadline(tmp_path):
+    """Before: one byte every half second kept a --timeout=3 request alive for ever (httpx bounds each read)."""
+    for headers in (False, True):          # a body, or a status line and headers, 20 bytes a second
+        reply = Reply(raw="x" * 100, drip=0.05, drip_headers=headers, headers={"X-Pad": "y" * 100})
+        with FakeChat(lambda body, n: reply) as server:
+            started = time.monotonic()
+            backend, answer = one_request(server, tmp_path / str(headers), timeout=0.5, max_retries=1)
+            took = time.monotonic() - started
+        assert answer.error == "timeout (no complete answer within 0.5 s) (after 2 attempts)", answer.error
+        assert 1.0 <= took < 2.5 and backend.usage.retries == 1 and backend.usage.failed == 1, took
+
+
+KEY = "sk-test-0123456789abcdef"
+
+
+@pytest.mark.parametrize("status", [401, 500])
+@pytest.mark.parametrize("secret", ["api_key", "userinfo"])
+def test_a_key_the_server_echoes_is_in_no_line_and_no_file(tmp_path, caplog, capsys, monkeypatch, status, secret):
+    """Before: a 401 or 500 body echoing the Authorization header put $OPENAI_API_KEY into the error line and
+    into every record of OUT/stages/*.jsonl; a key in --base_url's user:key@ was printed in the final line."""
+    from infjax import curate
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY if secret == "api_key" else "")
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"query": f"q{i}", "passage": f"p{i}"}) + "\n" for i in range(2)))
+    out = tmp_path / "out"
+    echo = lambda body, n: Reply(status=status, raw=json.dumps(    # noqa: E731 - the headers as some gateways do
+        {"error": "denied", "request_headers": {"Authorization": server.requests[n]["auth"]}}))
+    with FakeChat(echo) as server:
+        url = server.base_url.replace("http://", f"http://alice:{KEY}@") if secret == "userinfo" else server.base_url
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={pairs}", f"--out={out}", f"--base_url={url}", "--model=m", "--stages=instruct",
+                         "--max_retries=1", "--backoff=0.01", "--max_attempts=1"])
+        sent = server.requests[0]["auth"]
+    assert e.value.code == 3
+    assert sent == (f"Bearer {KEY}" if secret == "api_key" else
+                    "Basic " + __import__("base64").b64encode(f"alice:{KEY}".encode()).decode())   # the key was sent
+    shown = caplog.text + "".join(capsys.readouterr())
+    [final] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert f'"Authorization": "{sent.split()[0]} ***"' in final, final
+    if secret == "userinfo":
+        assert "at http://***@127.0.0.1:" in final
+    written = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert out.joinpath("stages", "instruct.jsonl").exists() and b"***" in written
+    for leak in (KEY, sent.split()[1]):
+        assert leak not in shown and leak.encode() not in written
+
+
+def test_server_text_is_escaped_and_an_echoed_key_is_redacted_in_answers(tmp_path, caplog):
+    """Before: an error body's escape sequences (window title, clear screen, colors) reached the console raw."""
+    hostile = "\x1b]0;pwned\x07\x1b[2J\x1b[31mdown\x1b[0m\u202e"
+    with FakeChat(lambda body, n: Reply(status=503, raw=hostile)) as server, caplog.at_level("INFO"):
+        _, answer = one_request(server, tmp_path / "a", max_retries=1)
+    assert answer.error == r"HTTP 503: \x1b]0;pwned\x07\x1b[2J\x1b[31mdown\x1b[0m\u202e (after 2 attempts)"
+    assert "request failed (HTTP 503: \\x1b]0;pwned" in caplog.text and "\x1b" not in caplog.text
+    # an answer that holds the key is kept (and cached) without it
+    with FakeChat(lambda body, n: Reply(f"INSTRUCTION: use {server.requests[n]['auth']}")) as server:
+        backend, answer = one_request(server, tmp_path / "b", api_key=KEY)
+    assert answer.text == "INSTRUCTION: use Bearer ***"
+    assert not [p for p in (tmp_path / "b" / "cache").rglob("*.json") if KEY in p.read_text()]
+
+
+def test_an_answer_longer_than_its_request_allows_is_refused_and_counted(tmp_path, caplog):
+    """Before: a 64 MB answer to a 256-token request was read whole and kept as an instruction, no line."""
+    from infjax.curation import backends
+
+    limit = backends.answer_byte_limit(8)                # one_request asks max_tokens=8
+    cases = {"declared": (Reply(raw="x" * (limit + 1)), f"{limit + 1:,} bytes to a request of max_tokens=8"),
+             "streamed": (Reply(raw="x" * (4 * limit), length=False),
+                          f"more than {limit:,} bytes to a request of max_tokens=8; not read further"),
+             "characters": (Reply("y" * 257), "257 characters to a request of max_tokens=8 (at most 256 expected")}
+    for name, (reply, reason) in cases.items():
+        caplog.clear()
+        with FakeChat(lambda body, n: reply) as server, caplog.at_level("WARNING", logger="infjax.curation"):
+            backend, answer = one_request(server, tmp_path / name)
+            assert server.count() == 1                   # not asked again: the same request, the same answer
+        assert answer.text is None and answer.error.startswith(f"answer refused: {reason}"), answer.error
+        assert backend.usage.failed == 1 and backend.usage.requests == 1 and backend.usage.completion_tokens == 0
+        assert [r.getMessage() for r in caplog.records] == [f"{server.base_url}/chat/completions: {answer.error}"]
+    with FakeChat(lambda body, n: Reply("y" * 256)) as server:        # at the bound: kept
+        assert one_request(server, tmp_path / "ok")[1].text == "y" * 256
+
+
+def test_urls_keys_and_escapes_as_shown():
+    from infjax.curation.backends import Redactor, escaped, redacted_url, split_userinfo
+
+    assert split_userinfo("https://u:k%40y@h:8/v1") == ("https://h:8/v1", "u:k%40y")
+    assert split_userinfo("https://h/v1?a=b@c") == ("https://h/v1?a=b@c", "")
+    assert redacted_url("https://u:k@h/v1") == "https://***@h/v1" and redacted_url("u:k@h/v1") == "***@h/v1"
+    redact = Redactor(["k/y+z", ""])
+    assert redact('{"a": "Bearer k\\/y+z", "b": "k/y+z"}') == '{"a": "Bearer ***", "b": "***"}'
+    assert escaped("plain text, café") == "plain text, café" and escaped("a\nb\x1b[0m\u200b") == r"a\nb\x1b[0m\u200b"
+
+
+def test_a_second_curation_on_a_held_out_is_refused_and_sends_nothing(tmp_path, caplog):
+    """Before: two curations into one --out both ran: every request twice, every stage record twice."""
+    from infjax import curate
+    from infjax.runtime.folder_lock import LOCK_FILE, FolderLock
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"query": "q", "passage": "p"}) + "\n")
+    out = tmp_path / "out"
+    with FakeChat(curator) as server, FolderLock(str(out), holder="curation"):
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={pairs}", f"--out={out}", f"--base_url={server.base_url}", "--model=m"])
+        assert server.count() == 0 and os.listdir(out) == [LOCK_FILE]
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert e.value.code == 2 and line.startswith(f"--out={out} is in use by another curation (pid {os.getpid()} "
+                                                 f"on host ") and line.endswith("; wait for it to end or choose "
+                                                                               "another --out"), line
 
 
 # ---------------------------------------------------------------------------------------------------------

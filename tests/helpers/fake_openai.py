@@ -3,7 +3,9 @@
 `FakeChat(script)` listens on 127.0.0.1 (a free port); every POST to ``/v1/chat/completions`` is recorded
 and answered by ``script(body, n)`` (the parsed request and its 0-based arrival number), which returns a
 `Reply`: an HTTP status, headers, and either a chat completion's text (wrapped as the API does, with token
-usage) or a raw body; ``delay`` seconds are slept first (a slow or hanging server).
+usage) or a raw body; ``delay`` seconds are slept first (a slow or hanging server); with ``drip`` the body
+(with ``drip_headers`` the status line and headers too) is sent one byte every ``drip`` seconds (a server that
+answers for ever); with ``length=False`` the body has no Content-Length and ends when the connection closes.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ class Reply:
     headers: dict = dataclasses.field(default_factory=dict)
     raw: str | None = None           # a body sent as is (errors, broken JSON)
     delay: float = 0.0
+    drip: float = 0.0                # seconds between the bytes of the body (0: all at once)
+    drip_headers: bool = False       # the status line and headers dripped too
+    length: bool = True              # send a Content-Length (else the body ends when the connection closes)
 
 
 class FakeChat:
@@ -60,11 +65,26 @@ class FakeChat:
                                      "message": {"role": "assistant", "content": reply.text}}],
                         "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": len(reply.text.split()),
                                   "total_tokens": len(prompt.split()) + len(reply.text.split())}}).encode()
+                headers = {"Content-Type": "application/json", **reply.headers}
+                if reply.length:
+                    headers["Content-Length"] = str(len(payload))
+                else:
+                    headers["Connection"] = "close"
+                    self.close_connection = True
                 try:
+                    if reply.drip:
+                        head = f"HTTP/1.1 {reply.status} Whatever\r\n" + "".join(
+                            f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+                        if not reply.drip_headers:
+                            self.wfile.write(head.encode())
+                        for byte in (head.encode() if reply.drip_headers else b"") + payload:
+                            self.wfile.write(bytes([byte]))
+                            self.wfile.flush()
+                            if outer.closed.wait(reply.drip):
+                                return
+                        return
                     self.send_response(reply.status)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(payload)))
-                    for k, v in reply.headers.items():
+                    for k, v in headers.items():
                         self.send_header(k, v)
                     self.end_headers()
                     self.wfile.write(payload)
