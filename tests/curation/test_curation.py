@@ -431,15 +431,16 @@ def test_an_answer_longer_than_its_request_allows_is_refused_and_counted(tmp_pat
              "streamed": (Reply(raw="x" * (4 * limit), length=False),
                           f"more than {limit:,} bytes to a request of max_tokens=8; not read further"),
              "characters": (Reply("y" * 257), "257 characters to a request of max_tokens=8 (at most 256 expected")}
-    for name, (reply, reason) in cases.items():
-        caplog.clear()
-        with FakeChat(lambda body, n: reply) as server, caplog.at_level("WARNING", logger="infjax.curation"):
-            backend, answer = one_request(server, tmp_path / name)
-            assert server.count() == 1                   # not asked again: the same request, the same answer
-        assert answer.text is None and answer.error.startswith(f"answer refused: {reason}"), answer.error
-        assert backend.usage.failed == 1 and backend.usage.requests == 1 and backend.usage.completion_tokens == 0
-        assert [r.getMessage() for r in caplog.records] == [f"{server.base_url}/chat/completions: {answer.error}"]
-    with FakeChat(lambda body, n: Reply("y" * 256)) as server:        # at the bound: kept
+    replies = [reply for reply, _ in cases.values()] + [Reply("y" * 256)]     # the last one at the bound: kept
+    with FakeChat(lambda body, n: replies[n]) as server:
+        for n, (name, (_, reason)) in enumerate(cases.items()):
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="infjax.curation"):
+                backend, answer = one_request(server, tmp_path / name)
+            assert server.count() == n + 1               # not asked again: the same request, the same answer
+            assert answer.text is None and answer.error.startswith(f"answer refused: {reason}"), answer.error
+            assert backend.usage.failed == 1 and backend.usage.requests == 1 and backend.usage.completion_tokens == 0
+            assert [r.getMessage() for r in caplog.records] == [f"{server.base_url}/chat/completions: {answer.error}"]
         assert one_request(server, tmp_path / "ok")[1].text == "y" * 256
 
 
