@@ -196,7 +196,7 @@ class EmbeddingCache:
 
     def _kept_cut(self, key: str, rows: int, max_len: int) -> int | None:
         """How many of an entry's `rows` texts were cut at `max_len` tokens, as its JSON kept it; None where it
-        kept no such count (written by an earlier infjax, or its JSON missing or unreadable)."""
+        kept no such count (its encoder could not count them, or its JSON is missing or unreadable)."""
         try:
             kept = json.loads(storage.read_text(storage.join(self.directory, key + ".json"))).get("cut")
         except (OSError, ValueError, AttributeError):
