@@ -264,6 +264,7 @@ def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],
             "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"],
                        "queries_left_out": len(r["left_out"]), "queries_left_out_ids": r["left_out"],
+                       "queries_without_text": len(r["without_text"]), "queries_without_text_ids": r["without_text"],
                        "truncation": cuts.get(r["name"]), **pool_coverage(task)} for task, r in zip(tasks, results)],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
                         "evaluate": t_eval - t_data2}}
@@ -276,8 +277,12 @@ def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
     for k, v in summary.items():
         print(f"{k:>12s}  {v:.4f}{'   (main)' if k == results[0]['main_metric'] else ''}")
     for r in results:
+        judged = len(r["left_out"]) + len(r["without_text"]) + len(r["per_query"])
+        if r["without_text"]:
+            print(f"  {r['name']}: {len(r['without_text'])} of {judged} judged queries left out of the means: no "
+                  f"visible text (empty, spaces or invisible characters only)")
         if r["left_out"]:
-            print(f"  {r['name']}: {len(r['left_out'])} of {len(r['left_out']) + len(r['per_query'])} judged "
+            print(f"  {r['name']}: {len(r['left_out'])} of {judged} judged "
                   f"queries left out of the means: no relevant document in the qrels (only grade-0 judgments)")
     if args.out:
         if replace:                     # the earlier evaluation goes only now that this one is complete

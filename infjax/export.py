@@ -25,6 +25,7 @@ DIR. Exit code 2 on user errors (no such run or step, non-empty DIR without
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -47,7 +48,7 @@ from infjax.models.encoder import EMBEDDED
 from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
 from infjax.runtime import checkpoint, platform, storage
-from infjax.runtime.restore import check_finite, load_run
+from infjax.runtime.restore import check_finite, load_run, saved_steps
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = HEAD_FILE             # an Interaction II run's head, beside the encoder folder(s)
@@ -334,6 +335,21 @@ def _overlaps(a: str, b: str) -> bool:
     return os.path.commonpath([a, b]) in (a, b)
 
 
+def inside_run(out: str) -> str | None:
+    """The run folder (one with finished checkpoints) that local folder `out` is or lies inside, at any depth, after
+    resolving links and `..`; None when there is none (and for an object-store URL)."""
+    if storage.is_remote(out):
+        return None
+    path = _resolved(out)
+    while True:
+        with contextlib.suppress(OSError):        # a folder this user cannot list holds no run of theirs
+            if saved_steps(path):
+                return path
+        if os.path.dirname(path) == path:
+            return None
+        path = os.path.dirname(path)
+
+
 def remove_stale_temporaries(out: str) -> list[str]:
     """Remove the temporary folders (`.<DIR>.tmp-<pid>-*` beside DIR) of earlier exports to DIR whose process
     is gone (killed: a kill -9 leaves one the size of the model); each removal is printed. Returns them."""
@@ -380,17 +396,24 @@ def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
 
     DIR may be new or empty; a non-empty DIR needs --overwrite and must be an earlier export
     (never a folder export did not write), and with `source` (the run's workdir) DIR must not be
-    the run, contain it, or lie inside it when something would be replaced.
+    the run, contain it, or lie inside it at any depth (links and `..` resolved): the run's own
+    checkpoint rotation would delete an export inside checkpoints/, and one written as
+    checkpoints/<step> would become the run's latest checkpoint. Nor may DIR lie inside another
+    run (`inside_run`).
     """
     if storage.exists(out) and not storage.isdir(out):
         raise ExportError(f"--out={out} exists and is not a folder")
     why = storage.unwritable(out)
     if why:
         raise ExportError(f"--out={out}: cannot write there: {why}")
-    if source is not None and _overlaps(out, source) and (
-            _resolved(out) == _resolved(source) or storage.exists(out)):
-        raise ExportError(f"--out={out} is, contains or lies inside the run being exported (--workdir={source}); "
-                          f"export never writes over a run: choose a folder outside it")
+    real = "" if storage.is_remote(out) or _resolved(out) == os.path.normpath(out) else f" (that is {_resolved(out)})"
+    if source is not None and _overlaps(out, source):
+        raise ExportError(f"--out={out}{real} is, contains or lies inside the run being exported (--workdir="
+                          f"{source}); export never writes into a run: choose a folder outside it")
+    run = inside_run(out)
+    if run is not None:
+        raise ExportError(f"--out={out}{real} is or lies inside the run {run} (it has checkpoints/); export never "
+                          f"writes into a run: choose a folder outside it")
     if storage.listdir(out):
         if not overwrite:
             raise ExportError(f"--out={out} is not empty; pass --overwrite to replace an earlier export, "

@@ -1013,6 +1013,77 @@ def test_queries_without_a_relevant_document_are_left_out_and_counted(tmp_path, 
     assert len(err.strip().splitlines()) == 1, err
 
 
+BLANK = ["", "   ", "\t\n", "\u200b", "\u200b \u00ad\ufeff", "\x00"]      # no character a reader sees
+
+
+def test_with_text_leaves_out_queries_with_nothing_visible_and_refuses_a_set_of_them():
+    queries = {f"q{i}": text for i, text in enumerate(BLANK)} | {"ok": "a query", "ok2": "\u200bzero-width inside"}
+    qrels = {q: {"d": 1} for q in queries}
+    kept, blank = eval_data.with_text(queries, qrels, "queries.jsonl", "toy")
+    assert sorted(kept) == ["ok", "ok2"] and blank == tuple(sorted(f"q{i}" for i in range(len(BLANK))))
+    with pytest.raises(DataError, match=r"^queries.jsonl: none of the 6 judged queries of toy has visible text"):
+        eval_data.with_text({q: t for q, t in queries.items() if q.startswith("q")},
+                            {q: {"d": 1} for q in queries if q.startswith("q")}, "queries.jsonl", "toy")
+
+
+def _blank_queries(path, field, texts):
+    """Give the queries of a .jsonl or .parquet file the `texts` ({id: text}) in `field`."""
+    if path.endswith(".parquet"):
+        _rewrite_parquet(path, lambda rows: [{**r, field: texts.get(r["id"], r[field])} for r in rows])
+        return
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    _jsonl(path, [{**r, field: texts.get(r.get("_id", r.get("qid")), r[field])} for r in rows])
+
+
+@pytest.mark.parametrize("kind", ["beir", "mair", "bright", "followir"])
+def test_every_loader_leaves_out_and_counts_queries_without_visible_text(tmp_path, kind, caplog):
+    """Before: queries whose text was empty, spaces or a zero-width space were ranked and averaged into the score
+    with no line. Now every loader leaves them out of the task (as queries without a relevant document) and
+    counts them, in a warning and in `without_text`."""
+    q0, q1, q2 = sorted(SPLIT.queries)
+    blank = {q0: "", q1: "\u200b "}
+    if kind == "beir":
+        folder = write_beir(str(tmp_path / "toy"))
+        _blank_queries(os.path.join(folder, "queries.jsonl"), "text", blank)
+    elif kind == "mair":
+        folder = _write_mair(str(tmp_path / "toy"))
+        _blank_queries(os.path.join(folder, "queries.jsonl"), "query", blank)
+    elif kind == "bright":
+        folder = _write_bright(str(tmp_path / "BRIGHT"))
+        _blank_queries(os.path.join(folder, "examples", "pony-00000-of-00001.parquet"), "query", blank)
+    else:
+        folder = write_followir(str(tmp_path / "toy"))
+        _blank_queries(os.path.join(folder, "queries.jsonl"), "text", blank)
+    with caplog.at_level("WARNING", logger="infjax.eval_data"):
+        (task,) = eval_data.load(f"{kind}:{folder}")
+    assert task.without_text == (q0, q1)
+    judged = task.split.qrels_og if kind == "followir" else task.qrels
+    queries = task.split.queries if kind == "followir" else task.queries
+    assert sorted(judged) == sorted(queries) == [q2]
+    assert "2 of 3 judged queries have no visible text (empty, spaces or invisible characters only) and are left " \
+           f"out of the means (first: {q0}, {q1})" in caplog.text
+    result = eval_tasks.evaluate_task(task, eval_tasks.template_pairs(fake_embed, TextFormat()), fake_embed,
+                                      TextFormat())
+    assert sorted(result["per_query"]) == [q2] and result["without_text"] == [q0, q1]
+
+
+@needs_minilm
+def test_queries_without_visible_text_are_counted_under_the_table_and_in_meta(tmp_path, capsys):
+    from tests.helpers.tiny import tiny_bert_path
+
+    beir, out = write_zero_judged_beir(str(tmp_path / "toy"), [1, 0, 1]), tmp_path / "out"
+    _blank_queries(os.path.join(beir, "queries.jsonl"), "text", {"q0": "\u200b"})
+    assert _cli(f"--model={tiny_bert_path()}", f"--dataset=beir:{beir}", f"--out={out}") == 0
+    printed = capsys.readouterr().out
+    assert "toy/test: 1 of 3 judged queries left out of the means: no visible text (empty, spaces or invisible " \
+           "characters only)" in printed
+    assert "toy/test: 1 of 3 judged queries left out of the means: no relevant document" in printed
+    task = json.load(open(out / "meta.json"))["tasks"][0]
+    assert (task["num_queries"], task["queries_without_text"], task["queries_without_text_ids"],
+            task["queries_left_out_ids"]) == (1, 1, ["q0"], ["q1"])
+    assert json.load(open(out / "summary.json"))["ndcg@10"] == 1.0
+
+
 # --------------------------------------------------------------------------
 # An export where sentence-transformers is not installed
 # --------------------------------------------------------------------------

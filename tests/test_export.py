@@ -158,18 +158,42 @@ def test_overwrite_never_removes_the_run_or_what_export_did_not_write(shared_run
     shutil.copytree(shared_run, run)
     (s / "notes.txt").write_text("unrelated")
     everything = sorted(str(p.relative_to(s)) for p in s.rglob("*"))
-    for out in (run, s, run / "checkpoints"):
+    for out in (run, s, run / "checkpoints", run / "hf"):
         assert export.main(["--workdir", str(run), "--out", str(out), "--overwrite"]) == 2
         assert "lies inside the run being exported" in capsys.readouterr().err
     assert sorted(str(p.relative_to(s)) for p in s.rglob("*")) == everything
-    assert export.main(["--workdir", str(run), "--out", str(run / "hf")]) == 0     # new folder: nothing replaced
-    assert export.main(["--workdir", str(run), "--out", str(run / "hf"), "--overwrite"]) == 2
     other = tmp_path / "other"
     other.mkdir()
     (other / "data.txt").write_text("mine")
     assert export.main(["--workdir", str(run), "--out", str(other), "--overwrite"]) == 2
     assert "was not written by infjax.export" in capsys.readouterr().err
     assert (other / "data.txt").read_text() == "mine"
+
+
+def test_an_out_inside_a_run_is_refused_at_every_depth(tmp_path, capsys):
+    """As reported: --out=RUN/checkpoints/3/exp exited 0, and the run's checkpoint rotation later deleted the
+    export with step 3; --out=RUN/checkpoints/99 made the export the run's latest checkpoint. A folder inside the
+    run at any depth is refused before anything is read or written, named as given and through links and `..`,
+    and so is one inside another run."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    (run / "checkpoints" / "3").mkdir(parents=True)          # a run as the check sees it: a finished step folder
+    (other / "checkpoints" / "1").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(run / "checkpoints" / "3")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "run").symlink_to(run)
+    before = sorted(tmp_path.rglob("*"))
+    for out, real in ((run / "checkpoints" / "3" / "exp", None), (run / "checkpoints" / "99", None),
+                      (run / "checkpoints" / "3" / "a" / "b", None), (run / "exp", None),
+                      (tmp_path / "link" / "exp", run / "checkpoints" / "3" / "exp"),
+                      (tmp_path / "elsewhere" / "run" / "checkpoints" / "3" / "exp", run / "checkpoints" / "3" / "exp"),
+                      (f"{tmp_path}/elsewhere/../run/checkpoints/3/exp", None)):
+        assert export.main(["--workdir", str(run), "--out", str(out)]) == 2, out
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "lies inside the run being exported (--workdir=" in err[0], err
+        assert (f"(that is {real})" in err[0]) if real else "(that is" not in err[0], err
+    assert export.main(["--workdir", str(run), "--out", str(other / "checkpoints" / "1" / "exp")]) == 2
+    assert f"lies inside the run {other} (it has checkpoints/)" in capsys.readouterr().err
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_user_errors_exit_with_code_2(shared_run, tmp_path, capsys):

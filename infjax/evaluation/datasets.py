@@ -33,8 +33,9 @@ Layouts (local folders mirror the hub repositories file for file):
   query id is left out of that query's ranking.
 
 Passages with a title are encoded as `title + " " + text` (the BEIR/MTEB
-convention). Only judged queries are evaluated, and of the full-corpus sets (BEIR,
-MAIR) only those with a relevant document (`with_relevant`). A missing file or field, or a
+convention). Only judged queries are evaluated: of every set only those with
+visible text (`with_text`), and of the full-corpus sets (BEIR, MAIR) only those
+with a relevant document (`with_relevant`). A missing file or field, or a
 judgment naming an unknown query or document, raises `DataError` naming the
 file, line and id (`lenient_qrels=True` drops judgments of unknown documents
 instead and logs how many).
@@ -49,6 +50,7 @@ import os
 from typing import Iterable
 
 from infjax.data import synthetic, text_files
+from infjax.data.inf_ir import visible
 from infjax.data.types import FollowIRSplit
 from infjax.evaluation import canary
 from infjax.evaluation.types import (BEIR_METRICS, DataError, FollowIRTask,  # noqa: F401
@@ -296,6 +298,23 @@ def with_relevant(qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str,
     return scorable, left_out
 
 
+def with_text(queries: dict[str, str], qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
+    """(the judged queries whose text has a character a reader sees, the ids of those whose text has none: empty,
+    spaces, or invisible characters only, a zero-width space; `inf_ir.visible`, the test training applies to its
+    fields). Such a query asks for nothing, and its ranking says nothing of the model: it is left out of the
+    means and counted, in a warning here and in the results, as queries without a relevant document are; a set
+    where no query has text is a DataError."""
+    blank = tuple(sorted(q for q in qrels if not visible(queries[q])))
+    kept = {q: judged for q, judged in qrels.items() if q not in set(blank)}
+    if not kept:
+        raise DataError(f"{path}: none of the {len(qrels)} judged queries of {what} has visible text (each is empty, "
+                        f"spaces or invisible characters only); are these the right files?")
+    if blank:
+        log.warning("%s: %d of %d judged queries have no visible text (empty, spaces or invisible characters only) "
+                    "and are left out of the means (first: %s)", what, len(blank), len(qrels), ", ".join(blank[:3]))
+    return kept, blank
+
+
 # --------------------------------------------------------------------------
 # Hub downloads (snapshots of dataset repositories, read by the local loaders)
 # --------------------------------------------------------------------------
@@ -349,7 +368,9 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
         queries[qid] = _field(row, "text", queries_path, line)
         ins_og[qid] = _field(row, "instruction_og", queries_path, line)
         ins_new[qid] = _field(row, "instruction_changed", queries_path, line)
+    name = name or os.path.basename(os.path.normpath(folder))
     qrels_og = _qrels_dict(read_qrels(og_path), og_path, queries, corpus, lenient_qrels)
+    qrels_og, no_text = with_text(queries, qrels_og, queries_path, name)
     qrels_new = _qrels_dict(read_qrels(new_path), new_path, queries, corpus, lenient_qrels)
     pools: dict[str, dict[str, None]] = {}             # query id -> pool (an ordered set)
     repeated = 0
@@ -381,8 +402,7 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
         qrels_og=qrels_og,
         qrels_changed={q: qrels_new.get(q, {}) for q in qids},
     )
-    name = name or os.path.basename(os.path.normpath(folder))
-    return FollowIRTask(name, split_, followir_main_metric(name), relevant_outside_pool=outside)
+    return FollowIRTask(name, split_, followir_main_metric(name), relevant_outside_pool=outside, without_text=no_text)
 
 
 def _relevant_outside_pools(pools: dict[str, dict[str, None]], qrels: dict[str, dict[str, dict[str, int]]],
@@ -469,9 +489,11 @@ def load_beir(folder: str, split: str | None = None, instruction: str = "",
         instructions[qid] = row.get("instruction") or instruction
     qrels = _qrels_dict(read_qrels(qrels_path), qrels_path, queries, corpus, lenient_qrels)
     name = f"{os.path.basename(os.path.normpath(folder))}/{split}"
+    qrels, no_text = with_text(queries, qrels, queries_path, name)
     qrels, left_out = with_relevant(qrels, qrels_path, name)
     return RetrievalTask(name, corpus, {q: queries[q] for q in qrels}, {q: instructions[q] for q in qrels}, qrels,
-                         BEIR_METRICS, "ndcg@10", skip_identical_ids=True, without_relevant=left_out)
+                         BEIR_METRICS, "ndcg@10", skip_identical_ids=True, without_relevant=left_out,
+                         without_text=no_text)
 
 
 # --------------------------------------------------------------------------
@@ -528,9 +550,10 @@ def load_mair_dirs(queries_dir: str, docs_dir: str, task: str, lenient_qrels: bo
                                                                                 qpath, line)]
         qrels = _qrels_dict(entries, qpath, queries, corpus, lenient_qrels)
         name = task if stem == "queries" else f"{task}/{stem}"
+        qrels, no_text = with_text(queries, qrels, qpath, name)
         qrels, left_out = with_relevant(qrels, qpath, name)
         tasks.append(RetrievalTask(name, corpus, {q: queries[q] for q in qrels}, {q: instructions[q] for q in qrels},
-                                   qrels, ("ndcg@10",), "ndcg@10", without_relevant=left_out))
+                                   qrels, ("ndcg@10",), "ndcg@10", without_relevant=left_out, without_text=no_text))
     return tasks
 
 
@@ -585,8 +608,10 @@ def load_bright_dir(root: str, domain: str, instruction: str = "", long_document
         excluded[qid] = frozenset(str(d) for d in row.get("excluded_ids") or () if str(d) != "N/A")
     qrels = _qrels_dict(entries, examples_path, queries, corpus, lenient_qrels)
     name = f"{domain}{' (long documents)' if long_documents else ''}"
+    qrels, no_text = with_text(queries, qrels, examples_path, name)
     return RetrievalTask(name, corpus, {q: queries[q] for q in qrels}, {q: instruction for q in qrels}, qrels,
-                         ("ndcg@10",), "ndcg@10", excluded={q: excluded[q] for q in qrels if excluded[q]})
+                         ("ndcg@10",), "ndcg@10", excluded={q: excluded[q] for q in qrels if excluded[q]},
+                         without_text=no_text)
 
 
 def load_bright(location: str, domain: str = "", instruction: str = "", long_documents: bool = False,

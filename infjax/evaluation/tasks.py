@@ -102,9 +102,10 @@ def score_followir(task: FollowIRTask, run_og: Run, run_new: Run
 
 def evaluate_task(task: datasets.Task, embed_pairs: PairEmbedFn, embed_passage: EmbedFn, fmt: TextFormat, *,
                   top_k: int = 1000, mesh=None, block_size: int = 65536, progress: bool = False) -> dict:
-    """{"name", "main_metric", "summary", "per_query", "runs": {label: run}, "left_out": [query ids]} for one
-    task; `left_out`: the judged queries without a relevant document, not in the means
-    (`datasets.with_relevant`)."""
+    """{"name", "main_metric", "summary", "per_query", "runs": {label: run}, "left_out": [query ids],
+    "without_text": [query ids]} for one task; `left_out`: the judged queries without a relevant document
+    (`datasets.with_relevant`), `without_text`: those whose text has no visible character (`datasets.with_text`),
+    neither in the means."""
     if isinstance(task, FollowIRTask):
         run_og, run_new = rerank(task.split, embed_pairs, embed_passage, fmt)
         summary, per_query = score_followir(task, run_og, run_new)
@@ -114,7 +115,8 @@ def evaluate_task(task: datasets.Task, embed_pairs: PairEmbedFn, embed_passage: 
         summary, per_query = trec_metrics(task.qrels, run, task.metrics)
         runs = {"": run}
     return {"name": task.name, "main_metric": task.main_metric, "summary": summary, "per_query": per_query,
-            "runs": runs, "left_out": list(getattr(task, "without_relevant", ()))}
+            "runs": runs, "left_out": list(getattr(task, "without_relevant", ())),
+            "without_text": list(getattr(task, "without_text", ()))}
 
 
 def mean_summary(results: list[dict]) -> dict[str, float]:

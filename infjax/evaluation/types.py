@@ -50,6 +50,8 @@ class RetrievalTask:
     # judged queries left out: none of their judgments has a grade > 0, so every measure is 0 whatever the
     # ranking (`with_relevant`); they are not in `queries` / `qrels` and not in the means
     without_relevant: tuple[str, ...] = ()
+    # judged queries left out: their text is empty, spaces or invisible characters only (`with_text`)
+    without_text: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,8 @@ class FollowIRTask:
     metrics: tuple[str, ...] = FOLLOWIR_METRICS
     # query id -> judged relevant documents outside its pool (never ranked), for the queries that have any
     relevant_outside_pool: dict[str, int] = dataclasses.field(default_factory=dict)
+    # judged queries left out: their text is empty, spaces or invisible characters only (`with_text`)
+    without_text: tuple[str, ...] = ()
 
 
 Task = RetrievalTask | FollowIRTask

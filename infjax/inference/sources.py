@@ -36,6 +36,7 @@ import numpy as np
 
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
+from infjax.inference import identity
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.inference.truncation import Cuts, cut_flags
 from infjax.models.hf import files as hf_files
@@ -164,17 +165,6 @@ def params_digest(params) -> str:
         h.update(f"{jax.tree_util.keystr(path)}|{array.dtype}|{array.shape}".encode())
         h.update(np.ascontiguousarray(array).tobytes())
     return h.hexdigest()
-
-
-def _fingerprint(folder: str) -> str:
-    """A short hash of the names, sizes and mtimes of a checkpoint's weight and config files."""
-    try:
-        files = sorted(n for n in os.listdir(folder) if n.endswith((".safetensors", ".bin", ".json")))
-    except OSError:
-        return ""
-    stats = [(n, os.stat(os.path.join(folder, n))) for n in files]
-    text = ",".join(f"{n}:{s.st_size}:{int(s.st_mtime)}" for n, s in stats)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def st_pooling(folder: str) -> str | None:
@@ -347,7 +337,7 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress, base=None) 
     if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
         embed_pairs = _pair_embedder(run.encoder, run.params, tokenizer, fmt, mesh, batch_size, qlen, cuts["query"])
     settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={run.config.model.dtype}" \
-               f"|len={qlen}/{plen}"
+               f"|len={qlen}/{plen}|tokenizer={tokenizer.identity()}"
     key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
     return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
                           cache_key=key, embed_pairs=embed_pairs, cuts=cuts)
@@ -394,8 +384,8 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress, cuts)
     embed_pairs = _pair_embedder(encoder, params, tokenizer, fmt, _mesh(mesh), batch_size, qlen,
                                  cuts["query"]) if head else None
-    towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
-    key = f"hf:{os.path.abspath(path)}|{_fingerprint(path)}{towers}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"
+    # the folder's content (its towers and head included), computed on first use: see inference/identity.py
+    key = lambda: f"hf:{identity.folder_digest(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"  # noqa: E731
     return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, embed_pairs=embed_pairs,
                           cuts=cuts)
 
@@ -426,8 +416,7 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
                                convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
         return np.asarray(out, np.float32)
 
-    towers = "".join(f"|{t}={_fingerprint(f)}" for t, f in folders.items() if t != "shared")
-    key = f"st:{os.path.abspath(folder)}|{_fingerprint(folder)}{towers}|len={qlen}/{plen}"
+    key = lambda: f"st:{identity.folder_digest(folder)}|len={qlen}/{plen}"   # noqa: E731 - see _load_hf
     cuts = side_cuts(qlen, plen)
     return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
                           lambda t: embed(q_model, t, cuts["query"]), lambda t: embed(p_model, t, cuts["passage"]),
