@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import signal
 import sys
 import threading
@@ -65,8 +66,25 @@ def byte_size(n: float) -> str:
     return f"{int(n)} bytes"
 
 
+def current_folder_gone() -> str | None:
+    """The error line when the current folder no longer exists (deleted or moved under the running command:
+    every relative path, and libraries that resolve one at import, fail with a bare `[Errno 2]`), else None."""
+    try:
+        os.getcwd()
+        return None
+    except FileNotFoundError:
+        where = os.environ.get("PWD", "")         # the shell's name for it; not named where it is stale (exists)
+        named = os.path.isabs(where) and not os.path.exists(where)
+        return (f"the current folder{f' {where}' if named else ''} no longer exists (deleted or moved "
+                f"while the command ran in it): cd to a folder that exists and run the command again")
+
+
 def describe(error: BaseException) -> str:
     """The one-line (or few-line) message of `error` as a user sees it."""
+    if isinstance(error, FileNotFoundError) and not os.path.isabs(str(error.filename or "")):
+        gone = current_folder_gone()
+        if gone:
+            return f"{error.filename}: {gone}" if error.filename else gone
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         where = f" writing {error.filename}" if error.filename else ""
         return f"no space left on the device{where}: {error.strerror or error}"
