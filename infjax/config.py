@@ -183,7 +183,7 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.train.nonfinite = "skip"         # a non-finite loss or gradient: skip the update (counted) | stop
     c.train.max_skipped = 0.5          # a run whose skipped (non-finite) steps exceed this share of its steps
                                        # ends with exit status 3 though it finished: it did not train (1.0 = never)
-    c.train.stop_grace_s = 300.0       # after SIGTERM / SIGINT: seconds to finish the step and save; past them the
+    c.train.stop_grace_s = 300.0       # after SIGTERM/SIGINT/SIGHUP: seconds to finish the step and save; past them the
                                        # run exits (128 + signal) without that save, naming where it was held (0 = wait)
     c.train.chunk_size = 0             # gradient caching: rows per encoder pass (0 = off, one pass per input);
                                        # must divide the rows per global batch and be a multiple of

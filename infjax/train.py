@@ -74,7 +74,9 @@ class RunFilesError(errors.RunStopped):
 
 
 class Preemption:
-    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns.
+    """SIGTERM / SIGINT / SIGHUP set a flag; the loop finishes its step, saves a checkpoint and returns. SIGHUP is
+    a closed terminal or SSH session: the standard streams it took away are sent to /dev/null first, so that the
+    run's last lines and its progress bar do not end it with an I/O error before its save.
 
     The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
     one step at which all stop. The signal also starts a clock: a run that has not left this block
@@ -83,7 +85,7 @@ class Preemption:
     (the checkpoint to resume from); the clock runs until `disarm()`, through the last save after the loop.
     A second signal inside the block exits the same way at once."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, grace_s: float = 0.0, expired=lambda: ""):
         self.received: str | None = None
@@ -93,6 +95,8 @@ class Preemption:
         self._main = threading.main_thread().ident
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGHUP:
+            errors.drop_hung_up_streams()
         if self.received is not None:
             self._exit(signum, f"stopped by a second {signal.Signals(signum).name}", frame)
         self.received = signal.Signals(signum).name
