@@ -240,8 +240,8 @@ def for_data_source(c: ml_collections.ConfigDict, given=()) -> list[str]:
     `c` in place; returns the keys it set back to their defaults."""
     if c.get("preset") != "embedded" or c.data.source == "synthetic":
         return []
-    defaults = _defaults(c.objective)
-    reset = [k for k in SYNTHETIC_DEMO if k not in set(given) and _get(c, k) != _get(defaults, k)]
+    defaults, given = _defaults(c.objective), set(given)
+    reset = [k for k in SYNTHETIC_DEMO if k not in given and _get(c, k) != _get(defaults, k)]
     override(c, {k: _get(defaults, k) for k in reset})
     return reset
 

@@ -154,8 +154,9 @@ def drop_hung_up_streams() -> list[int]:
 
 @contextlib.contextmanager
 def sigterm_raises(what: str):
-    """Inside: SIGTERM or SIGHUP raises Terminated("terminated (SIGTERM) `what`") in the main thread, so that the
-    code it interrupts cleans up on its way out (nothing else happens in other threads, or outside the block)."""
+    """Inside: SIGTERM or SIGHUP raises Terminated("terminated (SIGTERM) `what`", or SIGHUP) in the main thread, so
+    that the code it interrupts cleans up on its way out (nothing else happens in other threads, or outside the
+    block)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -75,8 +75,8 @@ class RunFilesError(errors.RunStopped):
 
 class Preemption:
     """SIGTERM / SIGINT / SIGHUP set a flag; the loop finishes its step, saves a checkpoint and returns. SIGHUP is
-    a closed terminal or SSH session: the standard streams it took away are sent to /dev/null first, so that the
-    run's last lines and its progress bar do not end it with an I/O error before its save.
+    a closed terminal or SSH session: the standard streams it took away (where every write now fails) are sent
+    to /dev/null first (`errors.drop_hung_up_streams`).
 
     The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
     one step at which all stop. The signal also starts a clock: a run that has not left this block
