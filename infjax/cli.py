@@ -137,6 +137,8 @@ def parse(prog: str, define: Callable[[flags.FlagValues], None], argv: Iterable[
     if any(a in HELP for a in options):
         print(help_text(prog, fv, doc, required))
         raise SystemExit(0)
+    if errors.current_folder_gone():
+        fail(prog, errors.current_folder_gone())
     if "config" in fv and repeated_config(options):
         fail(prog, repeated_config(options))
     try:

@@ -23,7 +23,8 @@ from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_
 
 _DECODER = {"model.pooling": "last", "model.remat": "auto", "model.scan_layers": True}
 
-# preset -> overrides. "embedded" is the default: offline, CPU, minutes.
+# preset -> overrides. "embedded" is the default: offline, CPU, minutes (on the synthetic corpus; see
+# `for_data_source` for other data).
 PRESETS = {
     "embedded": {
         "model.checkpoint": EMBEDDED, "model.pooling": "mean",
@@ -59,6 +60,17 @@ HUB_DATA = {"data.source": "InF-IR/InF-IR", "data.splits": "msmarco",
 
 def base_config(objective: str, arg: str | None = None) -> ml_collections.ConfigDict:
     """The full default config for `objective`, with preset `arg` (default: "embedded") applied."""
+    c = _defaults(objective, arg)
+    preset = c.preset
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (the config file's argument, after ':'); "
+                          f"choose one of {sorted(PRESETS)}")
+    overrides = dict(PRESETS[preset]) if preset == "embedded" else {**HUB_DATA, **PRESETS[preset]}
+    return override(c, overrides)
+
+
+def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDict:
+    """Every key of the config with its default, before a preset is applied."""
     c = ml_collections.ConfigDict()
     c.objective = objective            # one of losses.OBJECTIVES (the file name under configs/)
     c.preset = arg or "embedded"       # which preset was applied (informational)
@@ -183,7 +195,7 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
     c.train.nonfinite = "skip"         # a non-finite loss or gradient: skip the update (counted) | stop
     c.train.max_skipped = 0.5          # a run whose skipped (non-finite) steps exceed this share of its steps
                                        # ends with exit status 3 though it finished: it did not train (1.0 = never)
-    c.train.stop_grace_s = 300.0       # after SIGTERM / SIGINT: seconds to finish the step and save; past them the
+    c.train.stop_grace_s = 300.0       # after SIGTERM/SIGINT/SIGHUP: seconds to finish the step and save; past them the
                                        # run exits (128 + signal) without that save, naming where it was held (0 = wait)
     c.train.chunk_size = 0             # gradient caching: rows per encoder pass (0 = off, one pass per input);
                                        # must divide the rows per global batch and be a multiple of
@@ -213,13 +225,37 @@ def base_config(objective: str, arg: str | None = None) -> ml_collections.Config
                                        # before training, with eval.sets, and after; in eval.json and printed
     c.eval.canary_margin = 0.01        # warn when a canary's main metric falls by more than this since before
                                        # training or since its previous evaluation (logged + metrics.jsonl)
+    return c
 
-    preset = c.preset
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r} (the config file's argument, after ':'); "
-                          f"choose one of {sorted(PRESETS)}")
-    overrides = dict(PRESETS[preset]) if preset == "embedded" else {**HUB_DATA, **PRESETS[preset]}
-    return override(c, overrides)
+
+# What the embedded preset sets for its synthetic corpus alone, a run of minutes on a CPU (48 tokens, 8 records
+# per batch, 150 steps): every key of it but the model's and the data source.
+SYNTHETIC_DEMO = tuple(k for k in PRESETS["embedded"] if not k.startswith("model.") and k != "data.source")
+
+
+def for_data_source(c: ml_collections.ConfigDict, given=()) -> list[str]:
+    """Under the embedded preset, other data than the synthetic corpus (data.source) trains with the defaults
+    (texts of 256/512 tokens, 32 records per batch, 2 epochs: what the README's table promises), not with the
+    synthetic demo's (`SYNTHETIC_DEMO`); the keys in `given` (set on the command line) keep their values. Changes
+    `c` in place; returns the keys it set back to their defaults."""
+    if c.get("preset") != "embedded" or c.data.source == "synthetic":
+        return []
+    defaults, given = _defaults(c.objective), set(given)
+    reset = [k for k in SYNTHETIC_DEMO if k not in given and _get(c, k) != _get(defaults, k)]
+    override(c, {k: _get(defaults, k) for k in reset})
+    return reset
+
+
+def describe_shape(c: ml_collections.ConfigDict) -> str | None:
+    """One line for a run on other data than the synthetic corpus: its preset and model, and the lengths, batch
+    and steps it trains with (and the keys that change them); None on the synthetic corpus."""
+    if c.data.source == "synthetic":
+        return None
+    length = f"{c.train.steps} steps" if c.train.steps else f"{c.train.epochs} epoch{'s' * (c.train.epochs != 1)}"
+    return (f"data.source={c.data.source}: preset {c.get('preset', '')!r} ({c.model.checkpoint}); queries cut at "
+            f"{c.data.query_max_len} tokens, passages at {c.data.passage_max_len}, {c.train.batch_size} records per "
+            f"batch, {length} (data.query_max_len, data.passage_max_len, train.batch_size, "
+            f"{'train.steps' if c.train.steps else 'train.epochs'} change them)")
 
 
 PRESET_TIED = ("data.query_prefix", "data.passage_prefix", "model.pooling")   # what a preset sets for its model

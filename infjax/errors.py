@@ -11,8 +11,8 @@ Two kinds of failure reach a command line:
 Every error class of the package that describes bad input derives from
 `UserError`, so an entry point needs one handler, `reported(prog)`: one line
 on stderr, the exit status, no traceback. Anything else is a bug and keeps its
-traceback. Ctrl-C exits 130 with one line; SIGTERM inside `sigterm_raises` (an export) exits 143 with
-one line, once the interrupted code has cleaned up.
+traceback. Ctrl-C exits 130 with one line; SIGTERM (SIGHUP) inside `sigterm_raises` (an export) exits 143
+(129) with one line, once the interrupted code has cleaned up.
 
 This module imports nothing of infjax: every layer may raise its errors.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import signal
 import sys
 import threading
@@ -43,11 +44,18 @@ class RunStopped(Exception):
 
 
 class Terminated(BaseException):
-    """SIGTERM inside `sigterm_raises`: raised where the program is, so that its cleanup (a temporary folder)
-    runs as it does for Ctrl-C. A BaseException, as KeyboardInterrupt is, so that no `except Exception` of a
-    library swallows it. Exit status 143 (128 + SIGTERM), as for a process the signal ends."""
+    """SIGTERM or SIGHUP inside `sigterm_raises`: raised where the program is, so that its cleanup (a temporary
+    folder) runs as it does for Ctrl-C. A BaseException, as KeyboardInterrupt is, so that no `except Exception` of
+    a library swallows it. Exit status 128 + the signal (143, 129), as for a process the signal ends."""
 
     exit_code = 128 + signal.SIGTERM
+
+    def __init__(self, message: str = "", signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signum, self.exit_code = signum, 128 + signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)     # a scheduler's stop; a closed terminal or SSH session
 
 
 # Built-in errors whose message already names the path (FileNotFoundError: [Errno 2] ...: 'x').
@@ -65,8 +73,25 @@ def byte_size(n: float) -> str:
     return f"{int(n)} bytes"
 
 
+def current_folder_gone() -> str | None:
+    """The error line when the current folder no longer exists (deleted or moved under the running command:
+    every relative path, and libraries that resolve one at import, fail with a bare `[Errno 2]`), else None."""
+    try:
+        os.getcwd()
+        return None
+    except FileNotFoundError:
+        where = os.environ.get("PWD", "")         # the shell's name for it; not named where it is stale (exists)
+        named = os.path.isabs(where) and not os.path.exists(where)
+        return (f"the current folder{f' {where}' if named else ''} no longer exists (deleted or moved "
+                f"while the command ran in it): cd to a folder that exists and run the command again")
+
+
 def describe(error: BaseException) -> str:
     """The one-line (or few-line) message of `error` as a user sees it."""
+    if isinstance(error, FileNotFoundError) and not os.path.isabs(str(error.filename or "")):
+        gone = current_folder_gone()
+        if gone:
+            return f"{error.filename}: {gone}" if error.filename else gone
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         where = f" writing {error.filename}" if error.filename else ""
         return f"no space left on the device{where}: {error.strerror or error}"
@@ -107,36 +132,60 @@ def report(prog: str, error: BaseException, log=None) -> int | None:
     return code
 
 
+def drop_hung_up_streams() -> list[int]:
+    """Point stdout and stderr at /dev/null where their terminal is gone (after SIGHUP from a closed terminal or
+    SSH session every write to it fails with an I/O error, which would end the program before its cleanup or
+    save); a live terminal or a log file is kept. Returns the file descriptors redirected."""
+    gone = []
+    for fd in (1, 2):
+        try:
+            os.write(fd, b"")
+        except OSError:
+            gone.append(fd)
+    if gone:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            for fd in gone:
+                os.dup2(null, fd)
+        finally:
+            os.close(null)
+    return gone
+
+
 @contextlib.contextmanager
 def sigterm_raises(what: str):
-    """Inside: SIGTERM raises Terminated("terminated (SIGTERM) `what`") in the main thread, so that the code it
-    interrupts cleans up on its way out (nothing else happens in other threads, or outside the block)."""
+    """Inside: SIGTERM or SIGHUP raises Terminated("terminated (SIGTERM) `what`", or SIGHUP) in the main thread, so
+    that the code it interrupts cleans up on its way out (nothing else happens in other threads, or outside the
+    block)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):   # noqa: ARG001
-        raise Terminated(f"terminated (SIGTERM) {what}")
+        if signum == signal.SIGHUP:
+            drop_hung_up_streams()
+        raise Terminated(f"terminated ({signal.Signals(signum).name}) {what}", signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
 
 
 @contextlib.contextmanager
 def sigterm_held():
-    """Inside: SIGTERM waits (blocked) until the block is done, for a few steps that must not be cut apart
-    (renaming a finished folder into place); a signal that arrived meanwhile is delivered at the end."""
+    """Inside: SIGTERM and SIGHUP wait (blocked) until the block is done, for a few steps that must not be cut
+    apart (renaming a finished folder into place); a signal that arrived meanwhile is delivered at the end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(STOP_SIGNALS))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(STOP_SIGNALS))
 
 
 def _closed_loop_callback(unraisable) -> bool:

@@ -18,10 +18,10 @@ the adapters alone (infjax.models.hf.peft), for the base model it names.
 Before anything is written the model embeds a few fixed texts: a model whose
 embeddings are NaN or inf (its parameters may be finite) is refused.
 Everything is written into a temporary folder next to DIR and renamed into
-place at the end, so a failure, Ctrl-C or SIGTERM never leaves a half-written
+place at the end, so a failure, Ctrl-C, SIGTERM or SIGHUP never leaves a half-written
 DIR. Exit code 2 on user errors (no such run or step, non-empty DIR without
 --overwrite, a bad size, too little disk), 3 when the disk fills part-way,
-143 on SIGTERM. --base_checkpoint names a run's base checkpoint that moved.
+143 on SIGTERM, 129 on SIGHUP. --base_checkpoint names a run's base checkpoint that moved.
 """
 from __future__ import annotations
 
@@ -575,7 +575,7 @@ def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> s
         unfinished = os.path.exists(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         raise errors.Terminated(f"{e}; removed the unfinished export {tmp}, --out={out} is as it was" if unfinished
-                                else f"{e} after the export to --out={out} was complete") from None
+                                else f"{e} after the export to --out={out} was complete", e.signum) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -703,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
                      required=("workdir", "out"))
     platform.choose()                # before JAX starts its backends: the CPU where a plugin has no hardware
     try:
-        with errors.sigterm_raises("during the export"):     # SIGTERM cleans up as Ctrl-C does
+        with errors.sigterm_raises("during the export"):     # SIGTERM, SIGHUP clean up as Ctrl-C does
             out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
                              args.max_seq_length, args.adapter, args.base_checkpoint)
     except (Exception, KeyboardInterrupt, errors.Terminated) as e:    # noqa: BLE001 - report() re-raises bugs

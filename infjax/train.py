@@ -74,7 +74,9 @@ class RunFilesError(errors.RunStopped):
 
 
 class Preemption:
-    """SIGTERM / SIGINT set a flag; the loop finishes its step, saves a checkpoint and returns.
+    """SIGTERM / SIGINT / SIGHUP set a flag; the loop finishes its step, saves a checkpoint and returns. SIGHUP is
+    a closed terminal or SSH session: the standard streams it took away (where every write now fails) are sent
+    to /dev/null first (`errors.drop_hung_up_streams`).
 
     The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
     one step at which all stop. The signal also starts a clock: a run that has not left this block
@@ -83,7 +85,7 @@ class Preemption:
     (the checkpoint to resume from); the clock runs until `disarm()`, through the last save after the loop.
     A second signal inside the block exits the same way at once."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
     def __init__(self, grace_s: float = 0.0, expired=lambda: ""):
         self.received: str | None = None
@@ -93,6 +95,8 @@ class Preemption:
         self._main = threading.main_thread().ident
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGHUP:
+            errors.drop_hung_up_streams()
         if self.received is not None:
             self._exit(signum, f"stopped by a second {signal.Signals(signum).name}", frame)
         self.received = signal.Signals(signum).name
@@ -354,6 +358,9 @@ def run(config, workdir: str) -> TrainResult:
             mismatch = config_lib.preset_mismatch(config)
             if mismatch:
                 log.warning(mismatch)
+            shape = config_lib.describe_shape(config)
+            if shape:
+                log.info("%s", shape)
             log.info("process %d of %d; %d local devices, %d global devices (%s)", jax.process_index(),
                      jax.process_count(), jax.local_device_count(), jax.device_count(), platform.name())
             log.info(runtime_cpu.describe())
@@ -395,6 +402,7 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
     steps = total_steps(config, setup.plan)
     log.info("%d records, %d rows per global batch, %d steps per epoch, %d steps", len(data.store),
              setup.build.global_rows, setup.plan.steps_per_epoch, steps)
+    log.info("%s", describe_data_cuts(setup.build.data_cuts(), config.data))
 
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
@@ -421,6 +429,20 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
                       evaluator, config_json, fingerprint, canaries)
     finally:
         metrics_log.close()
+
+
+CUT_SIDES = {"q": ("queries", "query"), "i": ("instructions", "query"), "qo": ("queries", "query"),
+             "p": ("passages", "passage")}
+
+
+def describe_data_cuts(cuts: dict[str, tuple[int, int]], data) -> str:
+    """The line of `BatchBuilder.data_cuts`: "data: texts cut at their max length: 0 of 96 queries at
+    data.query_max_len=256 tokens, 12 of 96 passages (12.5%) at data.passage_max_len=512 tokens"."""
+    def side(name: str) -> str:
+        (cut, n), (texts, key) = cuts[name], CUT_SIDES[name]
+        share = f" ({100 * cut / n:.1f}%)" if cut and n else ""
+        return f"{cut} of {n} {texts}{share} at data.{key}_max_len={data[f'{key}_max_len']} tokens"
+    return "data: texts cut at their max length: " + ", ".join(side(s) for s in CUT_SIDES if s in cuts)
 
 
 def _train(config, workdir, state, train_step, setup, mesh, ckpts, steps, metrics_log, specs, evaluator,
@@ -721,9 +743,16 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 def parse_flags(argv: list[str]) -> flags.FlagValues:
     """The parsed flags with the config file loaded now: a bad flag, config file, preset or config key is one
-    line naming it and exit status 2 (absl alone prints tracebacks for most of them)."""
+    line naming it and exit status 2 (absl alone prints tracebacks for most of them). Under the embedded preset,
+    a data.source of one's own trains with the defaults, not the synthetic demo's (`config.for_data_source`)."""
     return cli.parse(PROG, define_flags, argv, doc=__doc__, required=("config",),
-                     after=cli.load_config, catch=cli.CONFIG_ERRORS, message=cli.config_flag_error)
+                     after=_load_config, catch=cli.CONFIG_ERRORS, message=cli.config_flag_error)
+
+
+def _load_config(fv: flags.FlagValues) -> None:
+    cli.load_config(fv)
+    given = [f.name.removeprefix("config.") for f in cli.own_flags(fv) if f.name.startswith("config.") and f.present]
+    config_lib.for_data_source(fv.config, given)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -81,6 +81,31 @@ def test_a_bad_flag_is_one_line_and_exit_2(argv, message, capsys):
     assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_deleted_current_folder_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """Before: `infjax.train` in a folder deleted under it exited 2 with `[Errno 2] No such file or directory`
+    (a relative --config: a traceback), naming nothing. Now every entry point says so as it parses its flags,
+    and an error met later (the folder deleted mid-run) says so too."""
+    from infjax import errors
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    monkeypatch.setenv("PWD", str(gone))
+    gone.rmdir()
+    with pytest.raises(SystemExit) as e:
+        cli.parse("prog", _define_demo, ["--out=o"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip() == (f"prog: error: the current folder {gone} no longer exists (deleted "
+                                                 f"or moved while the command ran in it): cd to a folder that exists "
+                                                 f"and run the command again"), err
+    assert errors.describe(FileNotFoundError(2, "No such file or directory")).startswith(
+        f"the current folder {gone} no longer exists")
+    assert errors.describe(FileNotFoundError(2, "No such file or directory", "runs/x")).startswith(
+        f"runs/x: the current folder {gone} no longer exists")
+    absolute = FileNotFoundError(2, "No such file or directory", "/data/x.parquet")
+    assert errors.describe(absolute) == "/data/x.parquet: No such file or directory"    # not about the folder
+
+
 def documented_commands() -> list[tuple[str, str, list[str]]]:
     """(file:line, entry point, flags) of every `python -m infjax.X ...` line in the README and docs/,
     continuation lines joined and `[...]` optional parts taken as given."""

@@ -109,3 +109,31 @@ def test_a_preset_prefix_kept_for_another_model_is_named():
     c.model.pooling = "cls"
     assert config_lib.preset_mismatch(c) is None
     assert config_lib.preset_mismatch(config_lib.base_config("multi_pi")) is None       # the embedded default
+
+
+def test_ones_own_data_trains_the_documented_defaults_and_the_demo_stays_on_the_synthetic_corpus():
+    """Before: the README's "Your own data" command, `--config=configs/multi_pi.py --config.data.source=FILE`,
+    trained the embedded preset's synthetic demo (150 steps of 8 records, texts cut at 48 tokens) where the
+    README's table of defaults says 2 epochs of 32 records, 256/512 tokens. A key given on the command line wins."""
+    from infjax import train
+
+    def shape(*argv):
+        c = train.parse_flags([f"--config={os.path.join(ROOT, 'configs', 'multi_pi.py')}", *argv]).config
+        return (c.data.query_max_len, c.data.passage_max_len, c.train.batch_size, c.train.steps, c.train.epochs,
+                c.loss.instruction_negatives, c.checkpoint.every, c.model.checkpoint)
+
+    embedded = config_lib.EMBEDDED
+    assert shape() == (48, 48, 8, 150, 2, 3, 50, embedded)                # the quickstart: offline, minutes
+    assert shape("--config.data.source=/data/own.parquet") == (256, 512, 32, 0, 2, 5, 500, embedded)
+    assert shape("--config.data.source=/data/own.parquet", "--config.train.batch_size=8",
+                 "--config.data.passage_max_len=48") == (256, 48, 8, 0, 2, 5, 500, embedded)
+    c = config_lib.base_config("multi_pi")
+    assert config_lib.describe_shape(c) is None
+    c.data.source = "/data/own.parquet"
+    config_lib.for_data_source(c)
+    assert config_lib.describe_shape(c) == (
+        "data.source=/data/own.parquet: preset 'embedded' (embedded:all-MiniLM-L6-v2); queries cut at 256 tokens, "
+        "passages at 512, 32 records per batch, 2 epochs (data.query_max_len, data.passage_max_len, "
+        "train.batch_size, train.epochs change them)")
+    e5 = config_lib.base_config("multi_pi", "e5-base-v2")
+    assert config_lib.for_data_source(e5) == []                          # the hub presets have these defaults

@@ -439,24 +439,28 @@ def test_a_disk_that_fills_during_the_export_stops_it_leaving_the_earlier_export
     assert os.listdir(parent) == ["model"]
 
 
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
 def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(shared_run, tmp_path, monkeypatch,
-                                                                          capsys):
-    """Before: exit 143 with no line, and the temporary folder (87 MiB) left until the next export to DIR."""
+                                                                          capsys, name):
+    """Before: exit 143 with no line, and the temporary folder (87 MiB) left until the next export to DIR; SIGHUP
+    (a closed terminal) the same with exit 129. A hung-up terminal itself: tests/test_cli.py."""
     import signal
+
+    signum = signal.Signals[name]
 
     def terminated(folder, *args, **kwargs):
         assert os.path.exists(os.path.join(folder, "model.safetensors"))       # half-way through the export
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
 
     monkeypatch.setattr(export, "write_tokenizer", terminated)
     out = tmp_path / "model"
-    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 143
+    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 128 + signum
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(
-        rf"infjax.export: error: terminated \(SIGTERM\) during the export; removed the unfinished export "
+        rf"infjax.export: error: terminated \({name}\) during the export; removed the unfinished export "
         rf"{re.escape(str(tmp_path))}/\.model\.tmp-\d+-\w+, --out={re.escape(str(out))} is as it was", err[0]), err
     assert os.listdir(tmp_path) == []
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL       # the handler lived only as long as the export
+    assert signal.getsignal(signum) is signal.SIG_DFL       # the handler lived only as long as the export
 
 
 def test_overwrite_through_a_symbolic_link_writes_its_target_and_leaves_nothing_behind(tmp_path, capsys):

@@ -255,6 +255,23 @@ class BatchBuilder:
                           for (_, q, _), draws in zip(rows, negatives[sl]) for j in draws]
         return texts, None
 
+    def data_cuts(self) -> dict[str, tuple[int, int]]:
+        """side -> (texts its max length cuts, texts) over the rows of every training record, each once: the
+        instruction-aware queries ("q"; Interaction II: "i" and "qo") and the passages ("p"), not the drawn
+        instruction negatives. Read off the store's uncut lengths: nothing is tokenized. A store whose queries
+        are not assembled from their fields' ids (`TokenStore.exact`) counts its passages only."""
+        per = rows_per_record(self.hard_negatives)
+        store_rows = np.repeat(np.asarray(self.store.kept, np.int64), per)
+        kind = np.tile(np.arange(per), len(self.store.kept))
+        assemble = functools.partial(assemble_texts, self.store, ids=False)
+        sides = {"p": assemble([(store_rows, ROW_PASSAGE[kind])])}
+        if self.store.exact and self.interaction == "cross_attention":
+            sides.update(i=assemble([(store_rows, ROW_INSTRUCTION[kind])]),
+                         qo=assemble([(store_rows, ROW_QUERY[kind])]))
+        elif self.store.exact:
+            sides["q"] = self._queries(store_rows, ROW_INSTRUCTION[kind], store_rows, ROW_QUERY[kind], ids=False)
+        return {side: (int(np.count_nonzero(v.cut)), len(v.cut)) for side, v in sides.items()}
+
     # --- the ids of a step's texts
     def side_ids(self, step: int, local: bool = True, ids: bool = True) -> tuple[dict[str, Side], np.ndarray | None]:
         """The encoder inputs of a step as ids: side -> `Side` (texts in `side_texts`' order), and the groups of
@@ -461,28 +478,19 @@ def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: i
     `span`: the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of
     for the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
     measured: those sides keep those rows in every shape. Every process measures the global batches, so all
-    agree on the shapes. The lengths come from the token store (no text is tokenized); one line says how many
-    texts of the sample each side cuts at its max length.
+    agree on the shapes. The lengths come from the token store (no text is tokenized).
     """
     fixed_rows = fixed_rows or {}
     measured = sampled_steps(steps, most or MEASURED_STEPS)
     log.info("packing: measuring the packed shapes over %d of the run's %d steps%s", len(measured), len(steps),
              " (the others are fitted as they are built)" if len(measured) < len(steps) else "")
     per_step: dict[str, list[list[int]]] = {side: [] for side in build.sides()}
-    cut = {side: [0, 0] for side in build.sides()}
     if not set(build.sides()) <= set(fixed_rows):          # else every side's rows are fixed: nothing to measure
         for step in measured.tolist():
             sides, _ = build.side_ids(step, local=False, ids=False)
             for side, v in sides.items():
-                if v.cut is not None:
-                    cut[side][0] += int(v.cut.sum())
-                    cut[side][1] += len(v.cut)
                 if side not in fixed_rows:
                     per_step[side].append(v.lengths.tolist())
-    if any(n for _, n in cut.values()):
-        log.info("texts cut at their max length over the %d sampled steps: %s", len(measured), ", ".join(
-            f"{side} {c} of {n} ({100 * c / max(n, 1):.1f}%, at {build.max_len(side)} tokens)"
-            for side, (c, n) in cut.items() if n))
     sides = sorted(per_step)
     lengths, needs, texts = {}, [], {}
     for side in sides:

@@ -302,14 +302,26 @@ def same_tokens(a: str, b: str, token_keys: TokenKeys | None) -> bool:
 
 
 def _invisible_difference(a: str, b: str) -> str:
-    """What a message adds where two texts that `normal_text` finds the same differ in invisible characters
-    (a reader sees no difference at all, or only one of case, spacing or final periods)."""
+    """What a message adds where two texts that `normal_text` finds the same hold invisible characters: that
+    they differ only in those (a reader sees no difference at all, or only one of case, spacing or final
+    periods), or that they are the very same text, those characters included (named, as U+XXXX)."""
     seen_a, seen_b = without_invisible(a), without_invisible(b)
     if (seen_a, seen_b) == (a, b):
         return ""
+    if a == b:
+        hidden = sorted(set(a) - set(seen_a))
+        return (f"; the two are identical, character for character, their invisible "
+                f"character{'s' if len(hidden) > 1 else ''} {', '.join(f'U+{ord(c):04X}' for c in hidden)} too")
     if seen_a == seen_b:
         return "; they differ only in invisible characters"
+    if _loose(a) == _loose(b):             # the same invisible characters: only case, spacing or periods differ
+        return "; they differ only in case, spacing or final periods"
     return "; apart from case, spacing and final periods, they differ only in invisible characters"
+
+
+def _loose(text: str) -> str:
+    """`normal_text` keeping the invisible characters."""
+    return " ".join(text.lower().split()).rstrip(". ")
 
 
 def _clean_field(field: str, value: str) -> str:

@@ -60,6 +60,7 @@ def _quiet_worker(index: int, count: int) -> None:
     it, and leaves the tokenizer's threads to the cores of the other workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)       # a closed terminal signals the whole process group
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     threading.Thread(target=_exit_with, args=(os.getppid(),), daemon=True, name="infjax-parent-watch").start()
 

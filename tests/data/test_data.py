@@ -158,6 +158,27 @@ def test_rows_keep_records_together_in_order():
     ]
 
 
+def test_data_cuts_counts_every_rows_query_and_passage_that_its_max_length_cuts():
+    """The run's line at start (before, only a sample of steps was counted, and only with packing): over every
+    record's three rows, the texts whose uncut token count (the tokenizer's own) is over their max length."""
+    from infjax.data.tokenize import Tokenizer
+    from tests.helpers.tiny import tiny_bert_path
+
+    records, _ = synthetic.make_synthetic(0, 12, 2)
+    fmt, tokenizer = TextFormat(), Tokenizer(tiny_bert_path())
+    rows = [(r[FIELDS[i]], r[FIELDS[q]], r[FIELDS[p]]) for r in records
+            for i, q, p in zip(batches.ROW_INSTRUCTION, batches.ROW_QUERY, batches.ROW_PASSAGE)]
+    counted = {}
+    for q_len, p_len in ((24, 33), (160, 200)):
+        build = batches.BatchBuilder(_store(records, q_len, p_len), batches.BatchPlan(12, 4, seed=0), q_len, p_len)
+        expected = {"q": np.array(tokenizer.lengths([fmt.query(i, q) for i, q, _ in rows])) > q_len,
+                    "p": np.array(tokenizer.lengths([fmt.passage(p) for _, _, p in rows])) > p_len}
+        counted[q_len] = build.data_cuts()
+        assert counted[q_len] == {side: (int(cut.sum()), len(rows)) for side, cut in expected.items()}
+    assert all(0 < cut < 36 for cut, _ in counted[24].values())        # some cut on each side, not all
+    assert counted[160] == {"q": (0, 36), "p": (0, 36)}
+
+
 def test_query_template_and_prefixes():
     fmt = TextFormat("{instruction} {query}", "query: ", "passage: ")
     assert fmt.query("Be strict.", "what is x") == "query: Be strict. what is x"

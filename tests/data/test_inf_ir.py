@@ -568,6 +568,24 @@ def test_a_negative_that_differs_only_by_an_invisible_character_is_a_bad_row(tmp
                                     f"differ only in invisible characters)")
 
 
+@pytest.mark.parametrize("negative_text, says", [
+    ("Find\x07 documents about\x1b[31m rivers",
+     "the two are identical, character for character, their invisible characters U+0007, U+001B too"),
+    ("find\x07 documents about\x1b[31m rivers.", "they differ only in case, spacing or final periods"),
+    ("Find documents about\x1b[31m rivers", "they differ only in invisible characters"),
+])
+def test_a_negative_the_same_as_its_positive_with_control_characters_says_how_they_differ(tmp_path, negative_text,
+                                                                                          says):
+    """Before: a negative byte for byte its positive, both with control characters (BEL, ESC), was said to "differ
+    only in invisible characters"; so was one that differs from it only in case. Neither differs in those."""
+    row = raw_row(0)
+    row["instruction_positive"], row["instruction_negative"] = "Find\x07 documents about\x1b[31m rivers", negative_text
+    with pytest.raises(BadRowError) as info:
+        load_inf_ir(write_jsonl(tmp_path / "msmarco.jsonl", [row]), "msmarco")
+    assert str(info.value).endswith(f"the same text as instruction_positive (a negative must differ from its "
+                                    f"positive; {says})"), str(info.value)
+
+
 @pytest.mark.parametrize("negative, positive", NEGATIVES)
 def test_a_negative_with_its_positives_token_ids_is_a_bad_row_when_the_tokenizer_is_known(tmp_path, negative,
                                                                                           positive):

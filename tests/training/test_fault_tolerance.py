@@ -99,6 +99,33 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert f"checkpoints/{step} is saved" in out
 
 
+@pytest.mark.slow      # the CLI on a terminal that closes; the handler alone: tests/training/test_hardening.py
+def test_a_closed_terminal_saves_and_exits_cleanly(tmp_path):
+    """Before: closing the terminal (or SSH session) of a run killed it at once by SIGHUP, exit 129, with no
+    checkpoint: every step since the last save was lost. Now SIGHUP stops it as SIGTERM does."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    on_terminal = ("import os, runpy; os.close(os.open(os.ttyname(0), os.O_RDWR)); "   # its controlling terminal
+                   "runpy.run_module('infjax.train', run_name='__main__')")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", on_terminal, *CLI_FLAGS,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={tmp_path}",
+                             "--config.train.steps=500", "--config.checkpoint.every=1000"],
+                            cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    seen, deadline = b"", time.time() + 300
+    while len(logged_losses(tmp_path)) < 2:             # the terminal read as it is written (a full one blocks)
+        assert proc.poll() is None and time.time() < deadline, seen[-3000:].decode(errors="replace")
+        if select.select([master], [], [], 0.1)[0]:
+            seen += os.read(master, 65536)
+    os.close(master)                                    # the kernel sends SIGHUP to the terminal's session
+    assert proc.wait(timeout=300) == 0
+    step = max(logged_losses(tmp_path))
+    assert checkpoint.Checkpoints(str(tmp_path)).steps() == [step]
+
+
 def _damage(step_dir):
     for root, _, files in os.walk(os.path.join(step_dir, "state")):
         for name in files:

@@ -672,6 +672,53 @@ def test_a_signal_while_the_run_is_held_ends_it_after_the_grace_naming_where(mon
                         r"checkpoint is C", second), second
 
 
+def test_sighup_sets_the_stop_flag_as_sigterm_does():
+    """Before: SIGHUP (a closed terminal or SSH session) ended training at once, exit 129, no line, no checkpoint.
+    Now it stops the loop at its step like SIGTERM (the run saves and exits 0: tests/training/
+    test_fault_tolerance.py closes a real terminal under one)."""
+    import signal
+
+    with train.Preemption() as p:
+        signal.raise_signal(signal.SIGHUP)
+        assert p.received == "SIGHUP"
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+HUNG_UP_CHILD = """
+import os, signal, sys, time
+from infjax import errors
+os.close(os.open(os.ttyname(0), os.O_RDWR))     # a session leader opening its terminal: its controlling terminal
+gone = []
+signal.signal(signal.SIGHUP, lambda *a: gone.extend(errors.drop_hung_up_streams()))
+print("ready", flush=True)
+deadline = time.monotonic() + 20
+while not gone and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("after the hang-up", flush=True)             # on the dead terminal: an I/O error
+sys.stderr.write("and on stderr\\n")
+sys.stderr.flush()
+open(sys.argv[1], "w").write(repr(gone))
+"""
+
+
+def test_a_closed_terminal_sends_the_last_lines_to_dev_null_not_to_an_io_error(tmp_path):
+    """After SIGHUP from a closed terminal every write to it fails (EIO): export's one line then ended it with a
+    traceback and exit 1. `drop_hung_up_streams` points both streams at /dev/null; the program goes on."""
+    import pty
+
+    master, slave = pty.openpty()
+    result = tmp_path / "gone.txt"
+    child = subprocess.Popen([sys.executable, "-c", HUNG_UP_CHILD, str(result)], stdin=slave, stdout=slave,
+                             stderr=slave, start_new_session=True, env={**os.environ, "PYTHONPATH": ROOT})
+    os.close(slave)
+    seen = b""
+    while b"ready" not in seen:
+        seen += os.read(master, 1024)
+    os.close(master)                           # the terminal hangs up: the kernel sends SIGHUP to its session
+    assert child.wait(timeout=30) == 0
+    assert result.read_text() == "[1, 2]"
+
+
 @pytest.mark.parametrize("value", [-1.0, -0.5])
 def test_a_stop_grace_that_is_not_seconds_is_refused_naming_the_key(value):
     with pytest.raises(errors.ConfigError, match=re.escape(f"config.train.stop_grace_s={value!r}: must be >= 0 "
