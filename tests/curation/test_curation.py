@@ -747,3 +747,19 @@ def test_outputs_get_the_process_umask_permissions(tmp_path):
         os.umask(previous)
     assert (tmp_path / "report.json").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "o" / "run.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_help_never_prints_the_endpoint_of_the_environment(monkeypatch):
+    """--help lists flags' defaults: $OPENAI_BASE_URL (a key in its user:key@) is read at run time, not made one."""
+    from absl import flags
+
+    from infjax import curate
+
+    monkeypatch.setenv("OPENAI_BASE_URL", "https://alice:sk-URLKEY-42@gateway.example/v1")
+    fv = flags.FlagValues()
+    curate.define_flags(fv)
+    fv(["curate"])
+    assert "sk-URLKEY-42" not in fv.get_help() and "--base_url" in fv.get_help()
+    assert curate.endpoint(fv) == "https://alice:sk-URLKEY-42@gateway.example/v1"
+    fv.base_url = "http://127.0.0.1:9/v1"
+    assert curate.endpoint(fv) == "http://127.0.0.1:9/v1"
