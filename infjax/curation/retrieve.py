@@ -26,7 +26,6 @@ from infjax.inference.sources import load_model
 
 log = logging.getLogger("infjax.curate")
 
-ENCODERS = {"run": "infjax's encoder", "hf": "infjax's encoder", "sentence_transformers": "sentence-transformers"}
 CHUNK = 65536                 # passages encoded per call of the embedder (its own chunks are smaller)
 BLOCK_BYTES = 64 << 20        # index rows read per search block: this many bytes of float32 embeddings
 
@@ -53,9 +52,8 @@ class Retriever:
             return self._index
         self._folder = tempfile.TemporaryDirectory(prefix="retrieve-index-", dir=self.index_dir)
         n, t0 = len(self.ids), time.perf_counter()
-        log.info("negatives=retrieve: encoding the collection's %d passages with %s (%s), %d at a time, into an "
-                 "index file (once per run)", n, self.model.name, ENCODERS.get(self.model.kind, self.model.kind),
-                 self.chunk)
+        log.info("negatives=retrieve: encoding the collection's %d passages with %s, %d at a time, into an index "
+                 "file (once per run)", n, self.model.name, self.chunk)
         bar = None
         if self.progress:
             from tqdm.auto import tqdm

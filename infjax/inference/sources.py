@@ -18,7 +18,10 @@ export with an Interaction II head (HEAD_FILE) is read by infjax with it,
 instruction and query encoded apart, as the run is. Where sentence-transformers
 cannot be imported, an infjax export (EXPORT_MARKER) is read by infjax with
 its own pooling, prompts and lengths, saying so; another sentence-transformers
-folder is refused naming the extra that installs it.
+folder is refused naming the extra that installs it. With `prefer_infjax`
+(curate's embedder), a sentence-transformers folder that infjax reads as
+sentence-transformers does is encoded by infjax. Every folder is checked as a
+whole first (models/folder.py), whichever library reads it.
 """
 from __future__ import annotations
 
