@@ -418,7 +418,7 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
     train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding, example)
 
     config_json = json.loads(config.to_json_best_effort())
-    config_json[folder_lib.TOKENIZER_KEY] = folder_lib.record(model_path, setup.tokenizer)   # what a resume compares
+    config_json[folder_lib.TOKENIZER_KEY] = folder_lib.record(model_path)   # what a resume compares
     if encoder.lora is not None:
         config_json[BASE_KEY] = base_identity(config.model.checkpoint, model_path)
         log_lora(encoder, state, config_json[BASE_KEY])

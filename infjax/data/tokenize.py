@@ -156,10 +156,6 @@ class Tokenizer:
         cut = {"truncation": True, "max_length": max_len} if max_len else {"truncation": False}
         return self._tok(list(texts), add_special_tokens=special, verbose=False, **cut)["input_ids"]
 
-    def vocabulary(self) -> dict[str, int]:
-        """{token: id} of every token the tokenizer gives (its vocabulary and added tokens)."""
-        return dict(self._tok.get_vocab())
-
     @property
     def vocab_size(self) -> int:
         """Ids the tokenizer can give (its vocabulary and added tokens)."""

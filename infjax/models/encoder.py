@@ -162,9 +162,10 @@ def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEnc
 
     The folder is checked as a whole first (models/folder.py: its config, weights, tokenizer and modules, and
     their agreement). Without `weights` nothing but config.json and the tokenizer is read: the params are
-    ShapeDtypeStructs of the same tree (what restoring a run's checkpoint needs). With LoRA (`model.lora.rank` > 0) the towers' trees
-    also hold fresh adapters (drawn from `seed`; B = 0, so the model starts as the checkpoint) and the base
-    weights are stored in `base_dtype`; `models.lora.split` separates what trains from what does not."""
+    ShapeDtypeStructs of the same tree (what restoring a run's checkpoint needs). With LoRA (`model.lora.rank`
+    > 0) the towers' trees also hold fresh adapters (drawn from `seed`; B = 0, so the model starts as the
+    checkpoint) and the base weights are stored in `base_dtype`; `models.lora.split` separates what trains from
+    what does not."""
     path = checkpoint_path(model_config.checkpoint)
     folder_lib.check(path, weights=weights)
     family = detect_family(path, model_config.get("family", "auto"))

@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 
-from infjax.data.tokenize import Tokenizer
 from infjax.errors import UserError
 from infjax.models.hf import files as hf_files
 from infjax.models.registry import by_model_type
@@ -99,8 +98,9 @@ def tokenizer_files_missing(path: str) -> str | None:
     return "tokenizer.json or vocab.txt (nor vocab.json with merges.txt, nor a sentencepiece .model file)"
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    """The folder's tokenizer, its files present; one line naming the folder where transformers cannot read it."""
+def load_tokenizer(path: str):
+    """The folder's tokenizer as transformers reads it (`AutoTokenizer`, as data/tokenize.py does), its files
+    present; one line naming the folder where transformers cannot read it."""
     missing = tokenizer_files_missing(path)
     if missing:
         fallback = (": transformers would build a tokenizer of a few special tokens from tokenizer_config.json "
@@ -109,38 +109,41 @@ def load_tokenizer(path: str) -> Tokenizer:
         raise FolderUnusable(f"{path}: no {missing}{fallback}; copy the tokenizer files of the model this "
                              f"folder was made from into it")
     try:
-        return Tokenizer(path)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
     except Exception as e:   # noqa: BLE001 - a damaged tokenizer file: one line naming the folder
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
         raise FolderUnusable(f"{path}: transformers cannot read its tokenizer ({type(e).__name__}: {first[:200]}); "
                              f"a tokenizer file is damaged or incomplete: copy it again") from None
 
 
-def fingerprint(tokenizer: Tokenizer) -> str:
+def fingerprint(tokenizer) -> str:
     """16 hex digits over what the tokenizer gives: its vocabulary (token -> id, added tokens included), the
     ids of a probe text with its special tokens, its padding id. Equal for two folders that tokenize alike
     (whatever their paths, file dates or the tokenizers library's way of saving them); another vocabulary,
     casing or special token changes it."""
     h = hashlib.blake2b(digest_size=8)
-    h.update(json.dumps(sorted(tokenizer.vocabulary().items()), ensure_ascii=False).encode())
-    h.update(repr((tokenizer.encode([_PROBE], special=True), tokenizer.pad_id)).encode())
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id   # as infjax pads
+    h.update(repr((tokenizer(_PROBE)["input_ids"], pad)).encode())
     return h.hexdigest()
 
 
-def _check_vocabulary(path: str, config: dict, tokenizer: Tokenizer, weights: bool) -> None:
+def _check_vocabulary(path: str, config: dict, tokenizer, weights: bool) -> None:
     """Every id of the tokenizer is a row of the embedding table; with the weights read, the tokenizer covers
     at least MIN_VOCAB_SHARE of the table."""
     rows = config.get("vocab_size")
     if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
         return                                   # the family's config check names the key
-    largest = max(tokenizer.vocabulary().values(), default=-1)
+    largest = max(tokenizer.get_vocab().values(), default=-1)
     where = f"{path}/config.json has vocab_size={rows}"
     if largest >= rows:
         raise FolderUnusable(f"{path}: its tokenizer gives ids up to {largest}, past the embedding table ({where}): "
                              f"they would read other rows; the tokenizer files are not this model's: copy the "
                              f"tokenizer files of the model this folder was made from")
-    if weights and tokenizer.vocab_size < MIN_VOCAB_SHARE * rows:
-        raise FolderUnusable(f"{path}: its tokenizer has {tokenizer.vocab_size} tokens for an embedding table of "
+    if weights and len(tokenizer) < MIN_VOCAB_SHARE * rows:
+        raise FolderUnusable(f"{path}: its tokenizer has {len(tokenizer)} tokens for an embedding table of "
                              f"{rows} rows ({where}): it is not the tokenizer these weights were trained with; copy "
                              f"the tokenizer files of the model this folder was made from")
 
@@ -244,12 +247,13 @@ def check(path: str, *, weights: bool = True, reader: str = "infjax") -> ModelFo
     modules = read_modules(path)
     tokenizer = load_tokenizer(path)
     _check_vocabulary(path, config, tokenizer, weights)
-    return ModelFolder(path, config, tokenizer.vocab_size, modules)
+    return ModelFolder(path, config, len(tokenizer), modules)
 
 
-def record(path: str, tokenizer: Tokenizer) -> dict:
+def record(path: str) -> dict:
     """What a run saves of the tokenizer it reads from folder `path` (under TOKENIZER_KEY)."""
-    return {"folder": path, "fingerprint": fingerprint(tokenizer), "tokens": tokenizer.vocab_size}
+    tokenizer = load_tokenizer(path)
+    return {"folder": path, "fingerprint": fingerprint(tokenizer), "tokens": len(tokenizer)}
 
 
 def other_tokenizer(saved: dict | None, current: dict) -> str | None:

@@ -135,7 +135,7 @@ class BaseChanged(UserError):
 def refuse_other_tokenizer(workdir: str, step: int, saved: dict | None, base_path: str) -> None:
     """The run's base folder must hold the tokenizer the run trained with (recorded by runs since it was)."""
     if saved:
-        why = folder_lib.other_tokenizer(saved, folder_lib.record(base_path, folder_lib.load_tokenizer(base_path)))
+        why = folder_lib.other_tokenizer(saved, folder_lib.record(base_path))
         if why:
             raise BaseChanged(f"{workdir} step {step}: {why}, or name where the run's base is now with "
                               f"{BASE_FLAG}=FOLDER")

@@ -35,14 +35,14 @@ def test_a_whole_folder_passes_and_its_tokenizer_is_recorded_by_content(tiny, tm
     assert [m["path"] for m in checked.modules] == ["", "1_Pooling", "2_Normalize"]   # 2_Normalize: no folder
     assert checked.tokens == 30522
     moved = shutil.copytree(tiny, str(tmp_path / "elsewhere"))
-    saved, now = (folder_lib.record(p, folder_lib.load_tokenizer(p)) for p in (tiny, moved))
+    saved, now = (folder_lib.record(p) for p in (tiny, moved))
     assert now["fingerprint"] == saved["fingerprint"] and folder_lib.other_tokenizer(saved, now) is None
     with open(os.path.join(moved, "tokenizer_config.json")) as f:
         settings = json.load(f)
     with open(os.path.join(moved, "tokenizer_config.json"), "w") as f:      # the same vocabulary, cased
         json.dump({**settings, "do_lower_case": False}, f)
     os.remove(os.path.join(moved, "tokenizer.json"))
-    now = folder_lib.record(moved, folder_lib.load_tokenizer(moved))
+    now = folder_lib.record(moved)
     assert now["fingerprint"] != saved["fingerprint"]
     assert folder_lib.other_tokenizer(saved, now) == (
         f"the run was trained with the tokenizer of {tiny} (30522 tokens, fingerprint {saved['fingerprint']}), but "
