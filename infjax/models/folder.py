@@ -23,9 +23,9 @@ names and that is gone leaves mean pooling. So the folder is checked as a whole:
 
 A refusal is one line naming the folder, the file and the remedy (`FolderUnusable`, a UserError).
 
-What a run reads through its tokenizer is recorded as its `fingerprint` (its vocabulary and what it does to a
-probe text) under TOKENIZER_KEY of the run's saved config; `refuse_other_tokenizer` refuses a run whose base
-folder now holds another tokenizer. `infjax_reads` says whether infjax's encoder reads a sentence-transformers
+What a run reads through its tokenizer is recorded (`record`: its `fingerprint`, over its vocabulary and what it
+does to a probe text) under TOKENIZER_KEY of the run's saved config; `other_tokenizer` says why a base folder
+that now holds another tokenizer is refused (a resume in train.py, a restore in runtime/restore.py). `infjax_reads` says whether infjax's encoder reads a sentence-transformers
 folder as sentence-transformers does (its modules, pooling and text handling).
 """
 from __future__ import annotations
