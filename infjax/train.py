@@ -34,7 +34,7 @@ from infjax.data.batches import real_tokens
 from infjax.evaluation.canary import CanaryWatch, describe_drop
 from infjax.evaluation.tasks import evaluate_specs, preload, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
-from infjax.models import remat as remat_lib
+from infjax.models import folder as folder_lib, remat as remat_lib
 from infjax.models.encoder import load_encoder, passage_params, query_params
 from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
@@ -256,15 +256,24 @@ def describe_milestone(entry: dict) -> str:
 def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: dict, fingerprint: dict):
     """(start step, state): the newest readable checkpoint's under config.resume, else (0, state).
 
-    Refuses a checkpoint whose config differs in a key that must stay fixed, or whose training data
-    had another fingerprint (unless data.resume_if_changed), before its state is read."""
+    Refuses a checkpoint whose config differs in a key that must stay fixed, whose base folder now holds
+    another tokenizer, or whose training data had another fingerprint (unless data.resume_if_changed), before
+    its state is read."""
     if not config.resume:
         return 0, state
 
     def refuse_incompatible(step: int, saved: dict) -> None:
         refuse_other_base(step, saved.get(BASE_KEY), config_json.get(BASE_KEY))
-        diffs = config_lib.incompatible_changes({k: v for k, v in saved.items() if k != BASE_KEY},
-                                                {k: v for k, v in config_json.items() if k != BASE_KEY})
+        key = folder_lib.TOKENIZER_KEY
+        other = folder_lib.other_tokenizer(saved.get(key), config_json.get(key))
+        if other:
+            raise config_lib.ConfigError(f"cannot resume from {ckpts.step_dir(step)}: {other}")
+        if key not in saved:
+            log.info("checkpoint %s records no tokenizer (an older run): the tokenizer is not checked",
+                     ckpts.step_dir(step))
+        facts = (BASE_KEY, folder_lib.TOKENIZER_KEY)      # what the run read, not config keys
+        diffs = config_lib.incompatible_changes({k: v for k, v in saved.items() if k not in facts},
+                                                {k: v for k, v in config_json.items() if k not in facts})
         if diffs:
             lines = "\n".join(f"  {k}: {a!r} -> {b!r}" for k, a, b in diffs)
             raise config_lib.ConfigError(f"cannot resume from {ckpts.step_dir(step)}: the config changed in "
@@ -417,6 +426,7 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
     train_step = compiled_train_step(config, encoder, objective, optimizer, schedule, mesh, state_sharding, example)
 
     config_json = json.loads(config.to_json_best_effort())
+    config_json[folder_lib.TOKENIZER_KEY] = folder_lib.record(model_path)   # what a resume compares
     if encoder.lora is not None:
         config_json[BASE_KEY] = base_identity(config.model.checkpoint, model_path)
         log_lora(encoder, state, config_json[BASE_KEY])

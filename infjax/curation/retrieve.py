@@ -1,5 +1,9 @@
 """`negatives=retrieve`: hard negatives searched in the source collection with an infjax embedder.
 
+The embedder is encoded by infjax's own encoder: a run, a Hugging Face folder, and a sentence-transformers folder
+that infjax reads as sentence-transformers does (an infjax export); sentence-transformers encodes only the
+folders infjax cannot (another module, pooling or family), saying why.
+
 The collection's passages are encoded once (on first use), CHUNK passages at a time, each chunk's
 embeddings appended to an index file (`RowFile`, in the output folder or a temporary folder, removed when
 the run ends); each (instruction, query) is encoded as the model's instruction-aware query, and exact search
@@ -29,7 +33,9 @@ BLOCK_BYTES = 64 << 20        # index rows read per search block: this many byte
 class Retriever:
     def __init__(self, model_source: str, collection: Collection, *, top_k: int = 10, batch_size: int = 64,
                  index_dir: str | None = None, chunk: int = CHUNK, progress: bool | None = None):
-        self.model = load_model(model_source, batch_size=batch_size, progress=False)
+        # infjax's encoder wherever it reads the folder as sentence-transformers does (an infjax export): the same
+        # embeddings, several times faster than sentence-transformers on torch
+        self.model = load_model(model_source, batch_size=batch_size, progress=False, prefer_infjax=True)
         self.collection = collection
         self.ids = sorted(collection.passages)
         self.top_k, self.chunk, self.index_dir = top_k, chunk, index_dir

@@ -18,7 +18,10 @@ export with an Interaction II head (HEAD_FILE) is read by infjax with it,
 instruction and query encoded apart, as the run is. Where sentence-transformers
 cannot be imported, an infjax export (EXPORT_MARKER) is read by infjax with
 its own pooling, prompts and lengths, saying so; another sentence-transformers
-folder is refused naming the extra that installs it.
+folder is refused naming the extra that installs it. With `prefer_infjax`
+(curate's embedder), a sentence-transformers folder that infjax reads as
+sentence-transformers does is encoded by infjax. Every folder is checked as a
+whole first (models/folder.py), whichever library reads it.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ from infjax.errors import UserError
 from infjax.inference import identity
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.inference.truncation import Cuts, cut_flags
+from infjax.models import folder as folder_lib
 from infjax.models.hf import files as hf_files
 from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.runtime import storage
@@ -167,29 +171,6 @@ def params_digest(params) -> str:
     return h.hexdigest()
 
 
-def st_pooling(folder: str) -> str | None:
-    """The pooling a sentence-transformers folder names (mean | cls | last), or None."""
-    path = os.path.join(folder, "1_Pooling", "config.json")
-    modules = os.path.join(folder, "modules.json")
-    if os.path.isfile(modules):
-        with open(modules, encoding="utf-8") as f:
-            for m in json.load(f):
-                if str(m.get("type", "")).endswith("Pooling"):
-                    path = os.path.join(folder, m.get("path", ""), "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        cfg = json.load(f)
-    mode = cfg.get("pooling_mode")            # newer sentence-transformers write a single key
-    if isinstance(mode, str):
-        return {"mean": "mean", "cls": "cls", "lasttoken": "last", "last": "last"}.get(mode)
-    for key, pooling in (("pooling_mode_cls_token", "cls"), ("pooling_mode_lasttoken", "last"),
-                         ("pooling_mode_mean_tokens", "mean")):
-        if cfg.get(key):
-            return pooling
-    return None
-
-
 def _mesh(mesh):
     return mesh if mesh is not None else default_mesh()
 
@@ -240,9 +221,13 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
                pooling: str | None = None, query_template: str | None = None, query_prefix: str | None = None,
                passage_prefix: str | None = None, query_max_len: int | None = None,
                passage_max_len: int | None = None, dtype: str = "float32", mesh=None,
-               progress: bool = True, base_checkpoint: str | None = None) -> EmbeddingModel:
+               progress: bool = True, base_checkpoint: str | None = None,
+               prefer_infjax: bool = False) -> EmbeddingModel:
     """Load `source` (see the module docstring). Raises ModelSourceError / FileNotFoundError on user errors.
-    `base_checkpoint`: a run's base checkpoint where it is now (it moved since the run)."""
+    `base_checkpoint`: a run's base checkpoint where it is now (it moved since the run). `prefer_infjax`: a
+    sentence-transformers folder that infjax's encoder reads as sentence-transformers does (an infjax export,
+    or another with only a Transformer, Pooling and Normalize module; models/folder.py `infjax_reads`) is
+    encoded by infjax, the others by sentence-transformers."""
     if model_type not in MODEL_TYPES:
         raise ModelSourceError(f"--model_type={model_type!r}: choose one of {list(MODEL_TYPES)}")
     if batch_size < 1:
@@ -290,16 +275,25 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
                      "then the head", source, HEAD_FILE)
             return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
                             given)
+        if prefer_infjax and model_type == "auto":
+            cannot = _infjax_cannot_read(expanded)
+            if cannot is None:
+                log.info("%s is encoded by infjax's own encoder, with its pooling, normalization, prompts and "
+                         "max_seq_length as sentence-transformers reads them", source)
+                return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh,
+                                progress, given, as_sentence_transformers=True)
+            log.info("%s is encoded by sentence-transformers: %s", source, cannot)
         missing = sentence_transformers_missing()
         if missing and model_type == "auto" and is_export(expanded):
             # infjax's encoder reads an export as sentence-transformers does: the same weights, pooling,
-            # normalization, prompts and max_seq_length (the export is written from them)
+            # normalization, prompts and max_seq_length (the export is written from them; its folder is checked)
+            model = _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
+                             given)
             log.warning("sentence-transformers is not installed (%s), so the infjax export %s is encoded by infjax's "
                         "own encoder, with the export's pooling, normalization, prompts and max_seq_length; "
                         "pip install -e \".[%s]\" to encode it with sentence-transformers instead", missing, source,
                         ST_EXTRA)
-            return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
-                            given)
+            return model
         if missing:
             raise ModelSourceError(f"--model={source} is a sentence-transformers folder, and sentence-transformers "
                                    f"cannot be imported here ({missing}): pip install -e \".[{ST_EXTRA}]\", or "
@@ -307,6 +301,17 @@ def load_model(source: str, *, model_type: str = "auto", step: int | None = None
                                    f"sentence-transformers module)")
         return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress, given)
     return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress, given)
+
+
+def _infjax_cannot_read(folder: str) -> str | None:
+    """Why infjax's encoder would not encode the sentence-transformers folder (or each of its two towers) as
+    sentence-transformers does, or None; each folder checked as a whole first (a bad one is refused here)."""
+    for f in (tower_folders(folder) or {"shared": folder}).values():
+        folder_lib.check(f, reader="sentence_transformers")
+        why = folder_lib.infjax_reads(f)
+        if why:
+            return f"infjax does not read {f} as sentence-transformers does: {why}"
+    return None
 
 
 def check_lengths(model_path: str, qlen: int, plen: int) -> None:
@@ -344,10 +349,11 @@ def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress, base=None) 
 
 
 def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress,
-             prefixes_given=(True, True)) -> EmbeddingModel:
+             prefixes_given=(True, True), as_sentence_transformers=False) -> EmbeddingModel:
     """A HF checkpoint encoded by infjax; an infjax export folder as well: its query/ and passage/ encoders
     (separate towers) and its Interaction II head (HEAD_FILE) when it has them, its prompts as prefixes
-    unless the flags give them (`prefixes_given`)."""
+    unless the flags give them (`prefixes_given`). `as_sentence_transformers`: a sentence-transformers folder
+    that infjax reads as sentence-transformers does (its prompts and max_seq_length, as for an export)."""
     if dtype not in ("float32", "bfloat16"):
         raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
     try:
@@ -358,13 +364,18 @@ def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress
     head_file = os.path.join(path, HEAD_FILE)
     head = os.path.isfile(head_file)
     first = folders.get("query", path)
-    if head or len(folders) > 1 or is_export(path):   # an infjax export: its own prompts and lengths, unless given
+    if as_sentence_transformers or head or len(folders) > 1 or is_export(path):   # its own prompts and lengths
         prompts = st_prompts(first)
         fmt = dataclasses.replace(fmt, query_prefix=fmt.query_prefix if prefixes_given[0] else prompts[0] or "",
                                   passage_prefix=fmt.passage_prefix if prefixes_given[1] else prompts[1] or "")
         qlen = qlen or st_max_seq_length(first)
         plen = plen or st_max_seq_length(folders.get("passage", path))
-    pooling = pooling or st_pooling(first) or "auto"         # auto: the family's own (models/registry.py)
+    try:
+        pooling = pooling or folder_lib.pooling(first) or "auto"     # auto: the family's own (models/registry.py)
+    except folder_lib.PoolingUnread as e:
+        raise ModelSourceError(f"--model={source}: {e}; name the pooling to use (--pooling=mean, cls or last), or "
+                               f"let sentence-transformers encode the folder (--model_type=sentence_transformers)") \
+            from None
     params = {}
     for tower, folder in folders.items():
         config = ml_collections.ConfigDict({"checkpoint": folder, "family": "auto", "pooling": pooling,
@@ -399,6 +410,7 @@ def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, p
         if not os.path.isfile(os.path.join(f, "modules.json")):
             raise ModelSourceError(f"{os.path.join(f, 'modules.json')}: file not found "
                                    f"(--model_type=sentence_transformers needs a sentence-transformers folder)")
+        folder_lib.check(f, reader="sentence_transformers")
     models = {tower: _sentence_transformer(source, f) for tower, f in folders.items()}
     q_model, p_model = models.get("query", models.get("shared")), models.get("passage", models.get("shared"))
     # The folder's own prompts become the prefixes unless given; they are applied here, never twice.

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from infjax.errors import ConfigError
-from infjax.models import attention, interaction, lora as lora_lib, remat as remat_lib
+from infjax.models import attention, folder as folder_lib, interaction, lora as lora_lib, remat as remat_lib
 from infjax.models.hf import files as hf_files
 from infjax.models.hf.names import abstract_params
 from infjax.models.pooling import l2_normalize, pool, pool_packed
@@ -160,11 +160,14 @@ def load_remat(value) -> str:
 def load_encoder(model_config, weights: bool = True, seed: int = 0) -> LoadedEncoder:
     """The encoder, its params and its local checkpoint folder for the `config.model` section.
 
-    Without `weights` nothing but config.json is read: the params are ShapeDtypeStructs of the same
-    tree (what restoring a run's checkpoint needs). With LoRA (`model.lora.rank` > 0) the towers' trees
-    also hold fresh adapters (drawn from `seed`; B = 0, so the model starts as the checkpoint) and the base
-    weights are stored in `base_dtype`; `models.lora.split` separates what trains from what does not."""
+    The folder is checked as a whole first (models/folder.py: its config, weights, tokenizer and modules, and
+    their agreement). Without `weights` nothing but config.json and the tokenizer is read: the params are
+    ShapeDtypeStructs of the same tree (what restoring a run's checkpoint needs). With LoRA (`model.lora.rank`
+    > 0) the towers' trees also hold fresh adapters (drawn from `seed`; B = 0, so the model starts as the
+    checkpoint) and the base weights are stored in `base_dtype`; `models.lora.split` separates what trains from
+    what does not."""
     path = checkpoint_path(model_config.checkpoint)
+    folder_lib.check(path, weights=weights)
     family = detect_family(path, model_config.get("family", "auto"))
     spec = lora_spec(model_config, family)
     module, backbone, hf_config, path = family.load(path, dtype=DTYPES[model_config.dtype],

@@ -9,7 +9,7 @@ import ml_collections
 import numpy as np
 
 from infjax.errors import UserError
-from infjax.models import lora as lora_lib
+from infjax.models import folder as folder_lib, lora as lora_lib
 from infjax.models.encoder import Encoder, load_encoder
 from infjax.models.hf import files as hf_files
 from infjax.runtime import checkpoint, mesh as mesh_lib, partitioning, storage
@@ -78,6 +78,9 @@ def _base_model(config, workdir: str, base: str | None):
         why = str(e).split(" To use a local checkpoint", 1)[0].rstrip(".")
         raise BaseNotFound(f"{workdir}: the run's base checkpoint (model.checkpoint={config.model.checkpoint}) "
                            f"cannot be read: {why}; if it moved, name it with {BASE_FLAG}=FOLDER") from None
+    except folder_lib.FolderUnusable as e:
+        raise folder_lib.FolderUnusable(f"{workdir}: the run's base checkpoint (model.checkpoint="
+                                        f"{config.model.checkpoint}) cannot be used: {e}") from None
 
 
 def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = False,
@@ -102,8 +105,10 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     ckpts = checkpoint.Checkpoints(workdir, max_to_keep=len(steps) + 1)
     try:
         saved_config = ckpts.saved_config(step)
-        config = ml_collections.ConfigDict({k: v for k, v in saved_config.items() if k != "base_model"})
+        config = ml_collections.ConfigDict({k: v for k, v in saved_config.items()
+                                            if k not in ("base_model", folder_lib.TOKENIZER_KEY)})
         encoder, abstract, base_path = _base_model(config, workdir, base)
+        refuse_other_tokenizer(workdir, step, saved_config.get(folder_lib.TOKENIZER_KEY), base_path)
         if encoder.lora is not None:           # a LoRA run saved its adapters (+ head): the base is read later
             params = ckpts.restore_params(step, lora_lib.split(abstract)[0], on_host=True)
         else:
@@ -123,7 +128,17 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
 
 
 class BaseChanged(UserError):
-    """A LoRA run's base checkpoint no longer holds the weights its adapters were trained on."""
+    """A run's base checkpoint no longer holds the tokenizer the run trained with, or (LoRA) the weights its
+    adapters were trained on."""
+
+
+def refuse_other_tokenizer(workdir: str, step: int, saved: dict | None, base_path: str) -> None:
+    """The run's base folder must hold the tokenizer the run trained with (recorded by runs since it was)."""
+    if saved:
+        why = folder_lib.other_tokenizer(saved, folder_lib.record(base_path))
+        if why:
+            raise BaseChanged(f"{workdir} step {step}: {why}, or name where the run's base is now with "
+                              f"{BASE_FLAG}=FOLDER")
 
 
 def _merged_run(workdir: str, config, base: dict | None, encoder: Encoder, adapters: dict, step: int, mesh,

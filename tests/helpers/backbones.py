@@ -42,6 +42,20 @@ def _perturb(model, seed=0):
 _CACHE = {}
 
 
+def write_word_tokenizer(folder, size):
+    """A word-level tokenizer of `size` tokens (<unk>, <s>, </s>, then w3, w4, ...) saved into `folder`: a model
+    folder is usable with the tokenizer it was trained with (infjax/models/folder.py), here one of its size."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                         pad_token="<unk>").save_pretrained(folder)
+    return folder
+
+
 def tiny_checkpoint(family, tmp_path_factory):
     """(folder, torch model in eval mode) of a random tiny HF model saved as safetensors."""
     if family not in _CACHE:
@@ -53,5 +67,6 @@ def tiny_checkpoint(family, tmp_path_factory):
         _perturb(model)
         folder = str(tmp_path_factory.mktemp(f"tiny_{family}"))
         model.save_pretrained(folder, safe_serialization=True)
+        write_word_tokenizer(folder, VOCAB)
         _CACHE[family] = folder, model
     return _CACHE[family]

@@ -196,6 +196,35 @@ def test_resume_on_changed_data_is_refused_naming_both_fingerprints(four_step_ru
         write_records(data, records)
 
 
+def test_resume_on_a_base_whose_tokenizer_changed_is_refused_naming_both(four_step_run, tmp_path, capsys):
+    """Before: a run whose base folder's tokenizer changed (or was lost) resumed on the new one with no line, its
+    embedding rows now read for other words (the data's fingerprint is over its text). Now the run records its
+    tokenizer and the resume, evaluate and export are refused, naming both."""
+    workdir, _, config, _ = four_step_run
+    copy = str(tmp_path / "run")
+    shutil.copytree(workdir, copy)
+    base = config.model.checkpoint
+    kept = {name: open(os.path.join(base, name), "rb").read() for name in ("tokenizer.json", "vocab.txt")}
+    try:
+        os.remove(os.path.join(base, "tokenizer.json"))          # the same size of vocabulary, two words swapped
+        words = kept["vocab.txt"].decode().split("\n")
+        words[2000], words[2001] = words[2001], words[2000]
+        with open(os.path.join(base, "vocab.txt"), "w", encoding="utf-8") as f:
+            f.write("\n".join(words))
+        more = changed(config, **{"resume": True, "train.steps": 5})
+        with pytest.raises(errors.ConfigError, match=rf"cannot resume from .*checkpoints/4: the run was trained "
+                                                     rf"with the tokenizer of {base} \(30522 tokens, fingerprint "
+                                                     rf"\w+\), but {base} now holds another"):
+            train.run(more, copy)
+        assert checkpoint.Checkpoints(copy).steps() == [2, 4]            # nothing written
+        assert evaluate.main([f"--model={copy}", "--dataset=synthetic", f"--out={tmp_path / 'eval'}"]) == 2
+        assert "step 4: the run was trained with the tokenizer of" in capsys.readouterr().err
+    finally:
+        for name, content in kept.items():
+            with open(os.path.join(base, name), "wb") as f:
+                f.write(content)
+
+
 def data_fingerprint(records):
     """The training data's fingerprint (record count, content hash) as a run computes it, of in-memory records."""
     from infjax.data import token_store
