@@ -82,7 +82,9 @@ FAMILY_CONFIGS = {
               "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
               "num_key_value_heads": 1, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
               "max_position_embeddings": 512, "tie_word_embeddings": False},
-    "qwen2": {"architectures": ["Qwen2Model"], "model_type": "qwen2", "vocab_size": 30522, "hidden_size": HIDDEN,
+    # transformers reads MiniLM's files in a qwen2 folder as Qwen2Tokenizer, which adds <|endoftext|> as id 30522:
+    # the table has rows past the vocabulary, as Qwen's own checkpoints have (151,936 rows, 151,665 tokens).
+    "qwen2": {"architectures": ["Qwen2Model"], "model_type": "qwen2", "vocab_size": 30528, "hidden_size": HIDDEN,
               "intermediate_size": INTERMEDIATE, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
               "num_key_value_heads": 1, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "hidden_act": "silu",
               "max_position_embeddings": 512, "tie_word_embeddings": True},
