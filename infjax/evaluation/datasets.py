@@ -282,20 +282,28 @@ def _qrels_dict(entries, path: str, queries, corpus, lenient: bool) -> dict[str,
 Qrels = dict[str, dict[str, int]]
 
 
+def _leave_out(qrels: Qrels, keep, path: str, what: str, none: str, why: str) -> tuple[Qrels, tuple[str, ...]]:
+    """(the judged queries that `keep(query id)` keeps, the sorted ids of the others); a warning counting the
+    others ("... judged queries `why` and are left out of the means"), and a DataError "none of the N judged
+    queries of `what` `none`" when none is kept."""
+    kept = {q: judged for q, judged in qrels.items() if keep(q)}
+    left_out = tuple(sorted(set(qrels) - set(kept)))
+    if not kept:
+        raise DataError(f"{path}: none of the {len(qrels)} judged queries of {what} {none}")
+    if left_out:
+        log.warning("%s: %d of %d judged queries %s and are left out of the means (first: %s)", what, len(left_out),
+                    len(qrels), why, ", ".join(left_out[:3]))
+    return kept, left_out
+
+
 def with_relevant(qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
     """(the judged queries that have a relevant document, the ids of those that have none). A query whose
     judgments are all 0 scores 0 in every measure whatever the ranking: averaged in, it only lowers the mean,
     by the share of such queries. Such queries are left out, counted in a warning here and in the results; a set
     where none can score is a DataError."""
-    scorable = {q: judged for q, judged in qrels.items() if any(g > 0 for g in judged.values())}
-    left_out = tuple(sorted(set(qrels) - set(scorable)))
-    if not scorable:
-        raise DataError(f"{path}: none of the {len(qrels)} judged queries of {what} has a relevant document (a "
-                        f"judgment with a grade above 0), so no measure can be computed; are these the right qrels?")
-    if left_out:
-        log.warning("%s: %d of %d judged queries have no relevant document (only grade-0 judgments) and are left out "
-                    "of the means (first: %s)", what, len(left_out), len(qrels), ", ".join(left_out[:3]))
-    return scorable, left_out
+    return _leave_out(qrels, lambda q: any(g > 0 for g in qrels[q].values()), path, what,
+                      "has a relevant document (a judgment with a grade above 0), so no measure can be computed; are "
+                      "these the right qrels?", "have no relevant document (only grade-0 judgments)")
 
 
 def with_text(queries: dict[str, str], qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
@@ -304,15 +312,9 @@ def with_text(queries: dict[str, str], qrels: Qrels, path: str, what: str) -> tu
     fields). Such a query asks for nothing, and its ranking says nothing of the model: it is left out of the
     means and counted, in a warning here and in the results, as queries without a relevant document are; a set
     where no query has text is a DataError."""
-    blank = tuple(sorted(q for q in qrels if not visible(queries[q])))
-    kept = {q: judged for q, judged in qrels.items() if q not in set(blank)}
-    if not kept:
-        raise DataError(f"{path}: none of the {len(qrels)} judged queries of {what} has visible text (each is empty, "
-                        f"spaces or invisible characters only); are these the right files?")
-    if blank:
-        log.warning("%s: %d of %d judged queries have no visible text (empty, spaces or invisible characters only) "
-                    "and are left out of the means (first: %s)", what, len(blank), len(qrels), ", ".join(blank[:3]))
-    return kept, blank
+    return _leave_out(qrels, lambda q: visible(queries[q]), path, what,
+                      "has visible text (each is empty, spaces or invisible characters only); are these the right "
+                      "files?", "have no visible text (empty, spaces or invisible characters only)")
 
 
 # --------------------------------------------------------------------------
