@@ -56,6 +56,17 @@ class Terminated(BaseException):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)     # a scheduler's stop; a closed terminal or SSH session
+# The terminal's signals: one the process was started ignoring stays ignored (`catch`), as Python keeps SIGINT.
+TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT)
+
+
+def catch(signals, handler) -> dict:
+    """Install `handler` for each of `signals` (main thread only) and return the handlers it replaced, to put
+    back. A terminal signal (SIGHUP, SIGINT) that is ignored stays ignored: `nohup` ignores SIGHUP so that a run
+    outlives its terminal, and a shell starts a background job with SIGINT ignored so that Ctrl-C spares it.
+    SIGTERM is always caught: it is how a scheduler stops a job."""
+    return {sig: signal.signal(sig, handler) for sig in signals
+            if not (sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN)}
 
 
 # Built-in errors whose message already names the path (FileNotFoundError: [Errno 2] ...: 'x').
@@ -156,7 +167,7 @@ def drop_hung_up_streams() -> list[int]:
 def sigterm_raises(what: str):
     """Inside: SIGTERM or SIGHUP raises Terminated("terminated (SIGTERM) `what`", or SIGHUP) in the main thread, so
     that the code it interrupts cleans up on its way out (nothing else happens in other threads, or outside the
-    block)."""
+    block). Under `nohup` SIGHUP stays ignored (`catch`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -166,7 +177,7 @@ def sigterm_raises(what: str):
             drop_hung_up_streams()
         raise Terminated(f"terminated ({signal.Signals(signum).name}) {what}", signum)
 
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    previous = catch(STOP_SIGNALS, handler)
     try:
         yield
     finally:

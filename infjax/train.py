@@ -76,7 +76,8 @@ class RunFilesError(errors.RunStopped):
 class Preemption:
     """SIGTERM / SIGINT / SIGHUP set a flag; the loop finishes its step, saves a checkpoint and returns. SIGHUP is
     a closed terminal or SSH session: the standard streams it took away (where every write now fails) are sent
-    to /dev/null first (`errors.drop_hung_up_streams`).
+    to /dev/null first (`errors.drop_hung_up_streams`). A run started under `nohup` (SIGHUP ignored) or as a
+    shell's background job (SIGINT ignored) keeps that signal ignored (`errors.catch`).
 
     The flag is this process's: with several processes, `agreed_stop` turns a signal on any of them into
     one step at which all stop. The signal also starts a clock: a run that has not left this block
@@ -116,8 +117,7 @@ class Preemption:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+            self._previous = errors.catch(self.SIGNALS, self._handle)
         return self
 
     def __exit__(self, *exc):

@@ -27,6 +27,7 @@ from tests.helpers.configs import EXPORT_MAX_LEN as MAX_LEN  # noqa: E402
 from tests.helpers.configs import small_config as train_config  # noqa: E402
 from tests.helpers.configs import small_export_config as small_config  # noqa: E402
 from tests.helpers.tiny import write_run_dir  # noqa: E402
+from tests.helpers.signals import dispositions  # noqa: E402
 
 TEXTS = [
     "what is the boiling point of water at high altitude? Find documents that give numbers in Celsius.",
@@ -454,13 +455,14 @@ def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(share
 
     monkeypatch.setattr(export, "write_tokenizer", terminated)
     out = tmp_path / "model"
-    assert export.main(["--workdir", shared_run, "--out", str(out)]) == 128 + signum
+    with dispositions(**{name: signal.SIG_DFL}):                # as a program started from a terminal has it
+        assert export.main(["--workdir", shared_run, "--out", str(out)]) == 128 + signum
+        assert signal.getsignal(signum) is signal.SIG_DFL       # the handler lived only as long as the export
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and re.fullmatch(
         rf"infjax.export: error: terminated \({name}\) during the export; removed the unfinished export "
         rf"{re.escape(str(tmp_path))}/\.model\.tmp-\d+-\w+, --out={re.escape(str(out))} is as it was", err[0]), err
     assert os.listdir(tmp_path) == []
-    assert signal.getsignal(signum) is signal.SIG_DFL       # the handler lived only as long as the export
 
 
 def test_overwrite_through_a_symbolic_link_writes_its_target_and_leaves_nothing_behind(tmp_path, capsys):

@@ -107,7 +107,8 @@ def test_a_closed_terminal_saves_and_exits_cleanly(tmp_path):
     import select
 
     master, slave = pty.openpty()
-    on_terminal = ("import os, runpy; os.close(os.open(os.ttyname(0), os.O_RDWR)); "   # its controlling terminal
+    on_terminal = ("import os, runpy, signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); "  # as a shell starts it
+                   "os.close(os.open(os.ttyname(0), os.O_RDWR)); "                  # its controlling terminal
                    "runpy.run_module('infjax.train', run_name='__main__')")
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
     proc = subprocess.Popen([sys.executable, "-c", on_terminal, *CLI_FLAGS,
@@ -124,6 +125,38 @@ def test_a_closed_terminal_saves_and_exits_cleanly(tmp_path):
     assert proc.wait(timeout=300) == 0
     step = max(logged_losses(tmp_path))
     assert checkpoint.Checkpoints(str(tmp_path)).steps() == [step]
+
+
+@pytest.mark.slow      # the CLI under nohup, its terminal closed; the handlers alone: training/test_hardening.py
+def test_under_nohup_a_closed_terminal_does_not_stop_the_run(tmp_path):
+    """Before: the trainer caught SIGHUP even under `nohup`, whose purpose is to ignore it: closing the terminal
+    stopped a run its user had asked to outlive it. Now the run trains to its last step."""
+    import pty
+    import shutil as shutil_lib
+
+    master, slave = pty.openpty()
+    here = tmp_path / "cwd"                             # nohup appends the run's output to ./nohup.out
+    here.mkdir()
+    on_terminal = ("import os, runpy; os.close(os.open(os.environ['TEST_TERMINAL'], os.O_RDWR)); "  # controlling
+                   "runpy.run_module('infjax.train', run_name='__main__')")
+    flags = [f.replace("configs/", os.path.join(ROOT, "configs") + "/") for f in CLI_FLAGS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="", TEST_TERMINAL=os.ttyname(slave),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([shutil_lib.which("nohup"), sys.executable, "-c", on_terminal, *flags,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={tmp_path / 'run'}",
+                             "--config.train.steps=40", "--config.checkpoint.every=1000"],
+                            cwd=here, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    deadline = time.time() + 300
+    while len(logged_losses(tmp_path / "run")) < 2:
+        assert proc.poll() is None and time.time() < deadline, (here / "nohup.out").read_text()[-3000:]
+        time.sleep(0.05)
+    os.close(master)                                    # SIGHUP to the terminal's session: ignored under nohup
+    assert proc.wait(timeout=300) == 0
+    out = (here / "nohup.out").read_text()
+    assert "stopped by" not in out, out[-3000:]
+    assert sorted(logged_losses(tmp_path / "run")) == list(range(1, 41))
+    assert checkpoint.Checkpoints(str(tmp_path / "run")).steps() == [40]
 
 
 def _damage(step_dir):

@@ -21,6 +21,7 @@ from infjax.training import state as state_lib, workdir as workdir_lib  # noqa: 
 from infjax.runtime.restore import NonFiniteParams, load_run  # noqa: E402
 from tests.helpers.configs import changed, small_config  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.signals import dispositions  # noqa: E402
 
 
 def write_records(path, records):
@@ -683,7 +684,7 @@ def test_a_signal_while_the_run_is_held_ends_it_after_the_grace_naming_where(mon
     exits = []
     exited = threading.Event()
     monkeypatch.setattr(train.os, "_exit", lambda code: (exits.append(code), exited.set()))
-    with caplog.at_level(logging.ERROR, logger="infjax.train"):
+    with caplog.at_level(logging.ERROR, logger="infjax.train"), dispositions(SIGINT=signal.default_int_handler):
         with train.Preemption(grace_s=0.5, expired=lambda: "the last complete checkpoint is C") as p:
             signal.raise_signal(signal.SIGTERM)
             assert p.received == "SIGTERM" and not exits           # the flag only: the loop stops at its step
@@ -707,10 +708,34 @@ def test_sighup_sets_the_stop_flag_as_sigterm_does():
     test_fault_tolerance.py closes a real terminal under one)."""
     import signal
 
-    with train.Preemption() as p:
-        signal.raise_signal(signal.SIGHUP)
-        assert p.received == "SIGHUP"
-    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    with dispositions(SIGHUP=signal.SIG_DFL):                  # a program started from a terminal
+        with train.Preemption() as p:
+            signal.raise_signal(signal.SIGHUP)
+            assert p.received == "SIGHUP"
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL      # put back as it was
+
+
+def test_under_nohup_sighup_stays_ignored_and_a_background_jobs_sigint_too():
+    """Before: the run caught SIGHUP even when started under `nohup`, whose whole purpose is to ignore it, so closing
+    the terminal stopped a run meant to outlive it (the same for SIGINT, which a shell ignores in a background job).
+    A terminal signal ignored on entry stays ignored; SIGTERM, a scheduler's stop, is caught in any case."""
+    import signal
+
+    with dispositions(SIGHUP=signal.SIG_IGN, SIGINT=signal.SIG_IGN, SIGTERM=signal.SIG_IGN):
+        with train.Preemption() as p:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            signal.raise_signal(signal.SIGHUP)
+            signal.raise_signal(signal.SIGINT)
+            assert p.received is None
+            signal.raise_signal(signal.SIGTERM)
+            assert p.received == "SIGTERM"
+        assert [signal.getsignal(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)] == [signal.SIG_IGN] * 3
+        with errors.sigterm_raises("during the test"):            # an export's handler: the same rule
+            signal.raise_signal(signal.SIGHUP)
+            with pytest.raises(errors.Terminated, match=r"terminated \(SIGTERM\) during the test"):
+                signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
 HUNG_UP_CHILD = """
