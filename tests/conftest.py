@@ -86,6 +86,12 @@ def pytest_configure(config):
                                 f"default)")
 
 
+def pytest_sessionfinish(session):
+    from tests.helpers import tiny
+
+    tiny.remove_tiny_bert()
+
+
 @pytest.fixture(scope="session")
 def four_step_run(tmp_path_factory):
     """One small run shared by the fault-tolerance and hardening tests (copy it before changing it).

@@ -142,7 +142,8 @@ _PATH: list[str] = []
 
 
 def tiny_bert_path() -> str:
-    """The tiny BERT of this test process, written on first use into a temporary folder removed at exit."""
+    """The tiny BERT of this test process, written on first use into a temporary folder removed at exit (by
+    `remove_tiny_bert` at the end of a pytest session, by atexit in a process the tests start)."""
     if not _PATH:
         import atexit
         import tempfile
@@ -151,3 +152,10 @@ def tiny_bert_path() -> str:
         atexit.register(shutil.rmtree, root, True)
         _PATH.append(write_tiny_bert(os.path.join(root, "tiny-bert")))
     return _PATH[0]
+
+
+def remove_tiny_bert() -> None:
+    """Remove this process's tiny BERT, if it wrote one. pytest-xdist ends a worker that is slow to stop with
+    os._exit, which runs no atexit handler: the session's end is the place that always runs."""
+    if _PATH:
+        shutil.rmtree(os.path.dirname(_PATH.pop()), ignore_errors=True)
