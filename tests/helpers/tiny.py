@@ -156,6 +156,6 @@ def tiny_bert_path() -> str:
 
 def remove_tiny_bert() -> None:
     """Remove this process's tiny BERT, if it wrote one. pytest-xdist ends a worker that is slow to stop with
-    os._exit, which runs no atexit handler: the session's end is the place that always runs."""
+    os._exit, which runs no atexit handler; the session's end comes before that."""
     if _PATH:
         shutil.rmtree(os.path.dirname(_PATH.pop()), ignore_errors=True)
