@@ -81,9 +81,11 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
 def setup_logging(quiet: Iterable[str] = ("absl", "jax", "httpx"), replace: bool = True) -> None:
-    """One log format for every entry point: infjax's INFO lines, warnings and errors of the libraries named in
-    `quiet`. `replace` drops any handler a library installed on the root logger at import (absl's, through
-    Orbax); an entry point called as a function inside another program (a test) leaves that program's."""
+    """One log format for every entry point: infjax's INFO lines, and warnings and errors of the `quiet` libraries.
+
+    `quiet` names the libraries whose warnings and errors only are logged. `replace` drops any handler a library
+    installed on the root logger at import (absl's, through Orbax); an entry point called as a function inside another
+    program (a test) leaves that program's."""
     import logging
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, force=replace)
     logging.getLogger("infjax").setLevel(logging.INFO)
@@ -106,10 +108,11 @@ def _flag_error(error: flags.Error) -> str:
 
 
 def given_empty(fv: flags.FlagValues, may_be_empty: Iterable[str] = ()) -> list[str]:
-    """The string flags given on the command line with an empty value (`--workdir=`, `--out="$UNSET"`) whose
-    default is not empty: for those, empty is not "not given" but a value that names nothing (a run would go
-    to the default folder, an output nowhere). `may_be_empty`: flags where empty means something (a prefix).
-    A config key (`--config.eval.canary=`) is the config's to validate: there empty may mean "off"."""
+    """The string flags given on the command line as empty (`--workdir=`, `--out="$UNSET"`) whose default is not.
+
+    For flags whose default is not empty, empty is not "not given" but a value that names nothing (a run would go to
+    the default folder, an output nowhere). `may_be_empty`: flags where empty means something (a prefix). A config key
+    (`--config.eval.canary=`) is the config's to validate: there empty may mean "off"."""
     return [f.name for f in own_flags(fv) if f.present and f.value == "" and f.flag_type() == "string"
             and f.default != "" and f.name not in may_be_empty and "." not in f.name]   # --config.KEY: validated
 

@@ -11,6 +11,7 @@ import re
 
 import ml_collections
 
+from infjax.data import inf_ir
 from infjax.data.tokenize import validate_template
 from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
@@ -234,10 +235,12 @@ SYNTHETIC_DEMO = tuple(k for k in PRESETS["embedded"] if not k.startswith("model
 
 
 def for_data_source(c: ml_collections.ConfigDict, given=()) -> list[str]:
-    """Under the embedded preset, other data than the synthetic corpus (data.source) trains with the defaults
-    (texts of 256/512 tokens, 32 records per batch, 2 epochs: what the README's table promises), not with the
-    synthetic demo's (`SYNTHETIC_DEMO`); the keys in `given` (set on the command line) keep their values. Changes
-    `c` in place; returns the keys it set back to their defaults."""
+    """Under the embedded preset, reset the synthetic demo's keys to the defaults for data other than its corpus.
+
+    Under the embedded preset, other data than the synthetic corpus (data.source) trains with the defaults (texts of
+    256/512 tokens, 32 records per batch, 2 epochs: what the README's table promises), not with the synthetic demo's
+    (`SYNTHETIC_DEMO`); the keys in `given` (set on the command line) keep their values. Changes `c` in place; returns
+    the keys it set back to their defaults."""
     if c.get("preset") != "embedded" or c.data.source == "synthetic":
         return []
     defaults, given = _defaults(c.objective), set(given)
@@ -407,10 +410,17 @@ def _validate_lora(lora) -> None:
            "must be auto (= model.dtype), float32 or bfloat16")
 
 
+def _one_of(choices) -> str:
+    """"a, b or c" of the choices, in their order."""
+    names = list(choices)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def _validate_data(c) -> None:
-    _check(c.data.field_map in ("auto", "default", "legacy"), "data.field_map", c.data.field_map,
-           "must be auto, default or legacy")
-    _check(c.data.on_bad_row in ("error", "skip"), "data.on_bad_row", c.data.on_bad_row, "must be error or skip")
+    _check(c.data.field_map in inf_ir.FIELD_MAPS, "data.field_map", c.data.field_map,
+           f"must be {_one_of(inf_ir.FIELD_MAPS)}")
+    _check(c.data.on_bad_row in inf_ir.ON_BAD_ROW_CHOICES, "data.on_bad_row", c.data.on_bad_row,
+           f"must be {_one_of(inf_ir.ON_BAD_ROW_CHOICES)}")
     _check(isinstance(c.data.dedupe, bool), "data.dedupe", c.data.dedupe, "must be True or False")
     _check(c.data.limit >= 0, "data.limit", c.data.limit, "must be >= 0")
     _check(isinstance(c.data.source, str) and c.data.source.strip() != "", "data.source", c.data.source,

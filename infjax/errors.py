@@ -44,9 +44,11 @@ class RunStopped(Exception):
 
 
 class Terminated(BaseException):
-    """SIGTERM or SIGHUP inside `sigterm_raises`: raised where the program is, so that its cleanup (a temporary
-    folder) runs as it does for Ctrl-C. A BaseException, as KeyboardInterrupt is, so that no `except Exception` of
-    a library swallows it. Exit status 128 + the signal (143, 129), as for a process the signal ends."""
+    """SIGTERM or SIGHUP inside `sigterm_raises`: raised where the program is, so that its cleanup runs.
+
+    Its cleanup (a temporary folder) runs as it does for Ctrl-C. A BaseException, as KeyboardInterrupt is, so that no
+    `except Exception` of a library swallows it. Exit status 128 + the signal (143, 129), as for a process the signal
+    ends."""
 
     exit_code = 128 + signal.SIGTERM
 
@@ -61,10 +63,11 @@ TERMINAL_SIGNALS = (signal.SIGHUP, signal.SIGINT)
 
 
 def catch(signals, handler) -> dict:
-    """Install `handler` for each of `signals` (main thread only) and return the handlers it replaced, to put
-    back. A terminal signal (SIGHUP, SIGINT) that is ignored stays ignored: `nohup` ignores SIGHUP so that a run
-    outlives its terminal, and a shell starts a background job with SIGINT ignored so that Ctrl-C spares it.
-    SIGTERM is always caught: it is how a scheduler stops a job."""
+    """Install `handler` for each of `signals` (main thread only) and return the handlers it replaced, to put back.
+
+    A terminal signal (SIGHUP, SIGINT) that is ignored stays ignored: `nohup` ignores SIGHUP so that a run outlives its
+    terminal, and a shell starts a background job with SIGINT ignored so that Ctrl-C spares it. SIGTERM is always
+    caught: it is how a scheduler stops a job."""
     return {sig: signal.signal(sig, handler) for sig in signals
             if not (sig in TERMINAL_SIGNALS and signal.getsignal(sig) is signal.SIG_IGN)}
 
@@ -125,11 +128,13 @@ def exit_code(error: BaseException) -> int | None:
 
 
 def report(prog: str, error: BaseException, log=None) -> int | None:
-    """Print `error` as one line and return its exit status; None (nothing printed) for a bug. The library
-    coroutines a reported error left pending stay quiet as the process exits (`_orphaned_library_coroutine`).
+    """Print `error` as one line and return its exit status; None (nothing printed) for a bug.
 
-    `log` (a logging.Logger) is used instead of stderr when given, so the line carries
-    the time stamp and prefix of the run's other lines.
+    The library coroutines a reported error left pending stay quiet as the process exits
+    (`_orphaned_library_coroutine`).
+
+    `log` (a logging.Logger) is used instead of stderr when given, so the line carries the time stamp and prefix of the
+    run's other lines.
     """
     code = exit_code(error)
     if code is None:
@@ -144,9 +149,10 @@ def report(prog: str, error: BaseException, log=None) -> int | None:
 
 
 def drop_hung_up_streams() -> list[int]:
-    """Point stdout and stderr at /dev/null where their terminal is gone (after SIGHUP from a closed terminal or
-    SSH session every write to it fails with an I/O error, which would end the program before its cleanup or
-    save); a live terminal or a log file is kept. Returns the file descriptors redirected."""
+    """Point stdout and stderr at /dev/null where their terminal is gone; returns the file descriptors redirected.
+
+    After SIGHUP from a closed terminal or SSH session every write to it fails with an I/O error, which would end the
+    program before its cleanup or save. A live terminal or a log file is kept."""
     gone = []
     for fd in (1, 2):
         try:
@@ -165,9 +171,10 @@ def drop_hung_up_streams() -> list[int]:
 
 @contextlib.contextmanager
 def sigterm_raises(what: str):
-    """Inside: SIGTERM or SIGHUP raises Terminated("terminated (SIGTERM) `what`", or SIGHUP) in the main thread, so
-    that the code it interrupts cleans up on its way out (nothing else happens in other threads, or outside the
-    block). Under `nohup` SIGHUP stays ignored (`catch`)."""
+    """Inside: SIGTERM or SIGHUP raises `Terminated` in the main thread, so that the code it interrupts cleans up.
+
+    The error is Terminated("terminated (SIGTERM) `what`", or SIGHUP); the code it interrupts cleans up on its way out
+    (nothing else happens in other threads, or outside the block). Under `nohup` SIGHUP stays ignored (`catch`)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -260,10 +267,12 @@ def library_errors_one_line():
 
 
 def _orphaned_library_coroutine(unraisable) -> bool:
-    """A coroutine of a storage library (Orbax's array reads and writes) finalized with the error of an operation
-    that already failed and was reported: when one array of a checkpoint cannot be read, each of the other
-    pending reads ends this way as the process exits (a traceback with a TensorStore spec each, thousands of
-    lines after the one that says what happened)."""
+    """Whether `unraisable` is a storage library's coroutine finalized with an error already reported.
+
+    A coroutine of a storage library (Orbax's array reads and writes) finalized with the error of an operation that
+    already failed and was reported: when one array of a checkpoint cannot be read, each of the other pending reads
+    ends this way as the process exits (a traceback with a TensorStore spec each, thousands of lines after the one that
+    says what happened)."""
     code = getattr(unraisable.object, "cr_code", None)
     path = code.co_filename.replace("\\", "/") if code is not None else ""
     return "/orbax/" in path or "/tensorstore/" in path

@@ -134,11 +134,12 @@ def cached_encoders(model, cache: EmbeddingCache | None, dataset: str) -> tuple[
 
 
 def truncation(model) -> dict | None:
-    """How many of the task just evaluated's encoder inputs the maximum lengths cut: {"query_max_len",
-    "queries", "queries_cut", "passage_max_len", "passages", "passages_cut"}, counted by the encoders as they
-    tokenized them (`model.cuts`, reset before each task; a count is None where some of its texts came from a
-    cache entry that kept none), or None when the model does not count them. A cut text scores lower for a
-    reason that is not the model's: the log says it for every evaluation."""
+    """How many of the task just evaluated's encoder inputs the maximum lengths cut, or None.
+
+    {"query_max_len", "queries", "queries_cut", "passage_max_len", "passages", "passages_cut"}, counted by the encoders
+    as they tokenized them (`model.cuts`, reset before each task; a count is None where some of its texts came from a
+    cache entry that kept none), or None when the model does not count them. A cut text scores lower for a reason that
+    is not the model's: the log says it for every evaluation."""
     if model.cuts is None:
         return None
     q, p = model.cuts["query"], model.cuts["passage"]
@@ -147,8 +148,10 @@ def truncation(model) -> dict | None:
 
 
 def describe_truncation(name: str, cut: dict) -> str:
-    """The log line of `truncation`: "NAME: 0 of 3 queries cut at 256 tokens, 12 of 3000 passages cut at 512
-    tokens"; "an unknown number of" for a side some of whose texts were not counted (a line above says why)."""
+    """The log line of `truncation`.
+
+    "NAME: 0 of 3 queries cut at 256 tokens, 12 of 3000 passages cut at 512 tokens"; "an unknown number of" for
+    a side some of whose texts were not counted (a line above says why)."""
     def side(texts: str, n: int, k: int | None, max_len: int) -> str:
         return f"{'an unknown number' if k is None else k} of {n} {texts} cut at {max_len} tokens"
     return (f"{name}: {side('queries', cut['queries'], cut['queries_cut'], cut['query_max_len'])}, "
@@ -156,16 +159,19 @@ def describe_truncation(name: str, cut: dict) -> str:
 
 
 def pool_coverage(task) -> dict:
-    """FollowIR: {"relevant_outside_pool": {query id: judged relevant documents its pool leaves out}} (the
-    queries with any; they lower that query's scores); {} for the other tasks."""
+    """FollowIR: the judged relevant documents each query's pool leaves out; {} for the other tasks.
+
+    {"relevant_outside_pool": {query id: count}} over the queries with any (they lower that query's scores)."""
     if isinstance(task, datasets.FollowIRTask):
         return {"relevant_outside_pool": dict(task.relevant_outside_pool)}
     return {}
 
 
 def check_out(out: str, args) -> bool:
-    """Whether `out` holds files to replace: an earlier evaluation of the same --model and --dataset, or
-    anything with --overwrite. Any other non-empty folder is refused before the work starts."""
+    """Whether `out` holds files to replace.
+
+    Those are an earlier evaluation of the same --model and --dataset, or anything with --overwrite. Any other
+    non-empty folder is refused before the work starts."""
     if not storage.exists(out) or not held_files(out):
         return False
     try:
@@ -187,8 +193,9 @@ def held_files(out: str) -> list[str]:
 
 
 def clear_out(out: str) -> None:
-    """Remove what `out` holds except the lock file this evaluation holds (with the file gone, a second
-    evaluation could create and take a new lock while this one still writes)."""
+    """Remove what `out` holds except the lock file this evaluation holds.
+
+    With the file gone, a second evaluation could create and take a new lock while this one still writes."""
     for name in held_files(out):
         path = storage.join(out, name)
         if not storage.is_remote(path) and os.path.islink(path):
@@ -198,8 +205,10 @@ def clear_out(out: str) -> None:
 
 
 def check_folder_flag(flag: str, folder: str | None) -> None:
-    """Refuse a folder flag (--out, --cache_dir) that names a file, or a place that cannot be written (a
-    read-only file system, a path under a file), before any data or model is read."""
+    """Refuse a folder flag (--out, --cache_dir) that cannot hold the output, before any data or model is read.
+
+    That is one that names a file, or a place that cannot be written (a read-only file system, a path under a
+    file)."""
     if not folder:
         return
     path = folder if storage.is_remote(folder) else os.path.expanduser(folder)

@@ -43,7 +43,8 @@ from infjax import cli, errors
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
 from infjax.inference.probe import check_outputs
-from infjax.inference.sources import EXPORT_MARKER, HEAD_FILE, st_max_seq_length
+from infjax.inference.sources import is_export
+from infjax.models import folder as folder_lib
 from infjax.models.encoder import EMBEDDED
 from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
@@ -51,8 +52,8 @@ from infjax.runtime import checkpoint, platform, storage
 from infjax.runtime.restore import check_finite, load_run, saved_steps
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-INTERACTION_FILE = HEAD_FILE             # an Interaction II run's head, beside the encoder folder(s)
-MARKER_FILE = EXPORT_MARKER                # written into every export: what --overwrite may replace
+INTERACTION_FILE = folder_lib.HEAD_FILE    # an Interaction II run's head, beside the encoder folder(s)
+MARKER_FILE = folder_lib.EXPORT_MARKER     # written into every export: what --overwrite may replace (`is_export`)
 _README_TITLE = "# InF-Embed bi-encoder (exported by infjax)"
 
 # sentence-transformers pooling config key per infjax pooling kind.
@@ -148,21 +149,22 @@ def _check_max_seq_length(max_seq_length: int | None) -> None:
 
 
 def inference_length(trained: int, base_path: str, hf_config: Mapping[str, Any]) -> int:
-    """The max_seq_length an export declares: the longer of the training truncation and the base model's
-    own max_seq_length, within its position table.
+    """The max_seq_length an export declares.
 
-    Training often truncates harder than the base model reads (the embedded default: 48 tokens, MiniLM's
+    It is the longer of the training truncation and the base model's own max_seq_length, within its position
+    table. Training often truncates harder than the base model reads (the embedded default: 48 tokens, MiniLM's
     own 256). Declaring the training length would make every sentence-transformers user truncate
     documents there, which reads as lost retrieval quality; fine-tuning does not shorten the model."""
-    length = max(trained, st_max_seq_length(base_path) or 0)
+    length = max(trained, folder_lib.st_max_seq_length(base_path) or 0)
     positions = hf_config.get("max_position_embeddings")
     return min(length, int(positions)) if isinstance(positions, int) and positions >= trained else length
 
 
 def base_pooler(base_path: str) -> dict[str, np.ndarray]:
-    """The base checkpoint's BERT pooler (`pooler.dense.*`), copied unchanged. infjax never uses it (it pools
-    token states itself), but `BertModel` has one: without it, every load of the export warns that the pooler
-    was "newly initialized", which reads as a broken model. {} when the base has none."""
+    """The base checkpoint's BERT pooler (`pooler.dense.*`), copied unchanged; {} when the base has none.
+
+    infjax never uses it (it pools token states itself), but `BertModel` has one: without it, every load of the
+    export warns that the pooler was "newly initialized", which reads as a broken model."""
     from safetensors import safe_open
 
     out = {}
@@ -209,8 +211,9 @@ def write_head(folder: str, head: Mapping) -> None:
 
 
 def interaction_readme(q_folder: str, query_prefix: str) -> str:
-    """How to build the instruction-aware query embedding of an Interaction II export (its head): the
-    README's query recipe, which comes before anything else about queries."""
+    """The README's recipe for the instruction-aware query embedding of an Interaction II export (its head).
+
+    It comes before anything else about queries."""
     return f"""
 ## Queries: the Interaction II head (read this first)
 
@@ -247,8 +250,10 @@ iq = iq / iq.norm()                                                     # score:
 def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding_side: str, query_template: str,
                 query_prefix: str, passage_prefix: str, query_max_len: int, passage_max_len: int, run: str = "",
                 step: int | None = None, max_seq_length: dict[str, int] | None = None, head: bool = False) -> str:
-    """A short README: what the folder is and how to build query/passage text. With an Interaction II `head`
-    the head's query recipe comes first, and no one-text query recipe is given (it would ignore the head)."""
+    """A short README: what the folder is and how to build query/passage text.
+
+    With an Interaction II `head` the head's query recipe comes first, and no one-text query recipe is given (it
+    would ignore the head)."""
     trained = (f" from run `{run}`" + (f" at step {step}" if step is not None else "")) if run else ""
     lengths = ", ".join(f"{k or 'the folder'}: {v}" for k, v in (max_seq_length or {}).items()) or "as trained"
     if separate:
@@ -313,16 +318,6 @@ scores = q @ p.T
 # --------------------------------------------------------------------------
 
 
-def is_export(folder: str) -> bool:
-    """Whether `folder` was written by infjax.export (its marker file, or the README of older exports)."""
-    if storage.exists(storage.join(folder, MARKER_FILE)):
-        return True
-    try:
-        return storage.read_text(storage.join(folder, "README.md")).split("\n", 1)[0] == _README_TITLE
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
 def _resolved(path: str) -> str:
     return path.rstrip("/") if storage.is_remote(path) else os.path.realpath(path)
 
@@ -336,8 +331,9 @@ def _overlaps(a: str, b: str) -> bool:
 
 
 def inside_run(out: str) -> str | None:
-    """The run folder (one with finished checkpoints) that local folder `out` is or lies inside, at any depth, after
-    resolving links and `..`; None when there is none (and for an object-store URL)."""
+    """The run folder (one with finished checkpoints) that local folder `out` is or lies inside, or None.
+
+    At any depth, after resolving links and `..`; None too for an object-store URL."""
     if storage.is_remote(out):
         return None
     path = _resolved(out)
@@ -351,8 +347,10 @@ def inside_run(out: str) -> str | None:
 
 
 def remove_stale_temporaries(out: str) -> list[str]:
-    """Remove the temporary folders (`.<DIR>.tmp-<pid>-*` beside DIR) of earlier exports to DIR whose process
-    is gone (killed: a kill -9 leaves one the size of the model); each removal is printed. Returns them."""
+    """Remove the temporary folders of earlier exports to DIR whose process is gone; return them.
+
+    They are `.<DIR>.tmp-<pid>-*` beside DIR (a kill -9 leaves one the size of the model); each removal is
+    printed."""
     parent, name = os.path.dirname(out), os.path.basename(out)
     removed = []
     for entry in sorted(os.listdir(parent)) if os.path.isdir(parent) else []:
@@ -379,9 +377,11 @@ def _alive(pid: int) -> bool:
 
 
 def through_link(out: str, say: bool = False) -> str:
-    """The folder an export to `out` writes: `out` itself, or, where `out` is a symbolic link (`exported/latest`
-    pointing to `exported/v3`), the folder it points to, so that the link stays a link and names the new export
-    (replacing the link by a folder would leave the old export unnamed beside it). `say`: print that line."""
+    """The folder an export to `out` writes: `out` itself, or the folder a symbolic link `out` points to.
+
+    With `exported/latest` pointing to `exported/v3`, v3 is written, so that the link stays a link and names the
+    new export (replacing the link by a folder would leave the old export unnamed beside it). `say`: print
+    that line."""
     if storage.is_remote(out) or not os.path.islink(out):
         return out
     target = os.path.realpath(out)
@@ -425,9 +425,10 @@ def _check_out(out: str, overwrite: bool, source: str | None = None) -> None:
 
 
 def _upload(tmp: str, out: str) -> None:
-    """Object-store --out: an earlier export there is deleted, then the finished local ``tmp`` folder is
-    uploaded, its marker file last (object stores have no rename: a reader that finds the marker finds
-    a complete export)."""
+    """Object-store --out: the finished local ``tmp`` folder uploaded in place of an earlier export.
+
+    An earlier export there is deleted first, and the marker file goes last (object stores have no rename: a
+    reader that finds the marker finds a complete export)."""
     if storage.exists(out):
         storage.rmtree(out)
     marker = os.path.join(tmp, MARKER_FILE)
@@ -481,10 +482,7 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
     head = params.get("interaction")
     _check_max_seq_length(max_seq_length)
-    table = hf_config.get("max_position_embeddings")
-    if max_seq_length and isinstance(table, int) and max_seq_length > table:
-        raise ExportError(f"--max_seq_length={max_seq_length} exceeds the model's position table "
-                          f"(max_position_embeddings={table} in {base_path}/config.json); give at most {table}")
+    folder_lib.check_lengths(base_path, {"--max_seq_length": max_seq_length}, ExportError, hf_config)
     length = (lambda trained: max_seq_length if max_seq_length else   # noqa: E731
               inference_length(trained, base_path, hf_config))
     if "shared" in params:
@@ -532,8 +530,9 @@ def tokenizer_bytes(base_path: str) -> int:
 
 
 def check_free_space(out: str, folder: str, needed: int) -> None:
-    """Refuse an export that cannot fit on the disk of `folder` (where its temporary folder goes), naming the
-    flag, the folder and the sizes, as training's checks do."""
+    """Refuse an export that cannot fit on the disk of `folder` (where its temporary folder goes).
+
+    The line names the flag, the folder and the sizes, as training's checks do."""
     free = checkpoint.free_bytes(folder)
     if free < needed:
         raise ExportError(f"--out={out}: {errors.byte_size(free)} free on the disk of {folder}, but the export needs "
@@ -541,11 +540,12 @@ def check_free_space(out: str, folder: str, needed: int) -> None:
 
 
 def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> str:
-    """Run ``write(tmp)`` on a temporary folder beside ``out`` (mode per the umask), add the marker file and
-    rename it into place (object stores: upload, see `_upload`); on any failure, Ctrl-C or SIGTERM the
-    temporary folder is removed and ``out`` is left as it was. An export of about ``needed_bytes`` that does not
-    fit is refused before anything is written; a disk that fills while writing stops it (ExportStopped) naming
-    --out, the folder and the sizes. Returns ``out``."""
+    """Run ``write(tmp)`` on a temporary folder beside ``out``, add the marker file, and put it in place.
+
+    The folder gets the mode the umask gives; it is renamed into place (object stores: uploaded, see `_upload`).
+    On any failure, Ctrl-C or SIGTERM the temporary folder is removed and ``out`` is left as it was. An export
+    of about ``needed_bytes`` that does not fit is refused before anything is written; a disk that fills while
+    writing stops it (ExportStopped) naming --out, the folder and the sizes. Returns ``out``."""
     remote = storage.is_remote(out)
     parent = None if remote else os.path.dirname(out)
     if parent is not None:
@@ -585,9 +585,10 @@ def _write_atomically(out: str, write, marker: dict, needed_bytes: int = 0) -> s
 
 
 def export_adapters(out: str, run, workdir: str) -> str:
-    """Write a LoRA run's adapters as PEFT folder(s) to ``out`` (atomically, as `export_model`): DIR, or DIR/query
-    and DIR/passage for separate encoders; an Interaction II head beside them; a README on loading them.
-    ``out`` was checked by `_check_out`."""
+    """Write a LoRA run's adapters as PEFT folder(s) to ``out``, atomically as `export_model` does.
+
+    DIR, or DIR/query and DIR/passage for separate encoders; an Interaction II head beside them; a README on
+    loading them. ``out`` was checked by `_check_out`."""
     if run.lora is None:
         raise ExportError(f"--adapter: the run in {workdir} trained the whole backbone (model.lora.rank=0), so it "
                           f"has no adapters; export it without --adapter")
@@ -652,6 +653,7 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None,
                adapter: bool = False, base_checkpoint: str | None = None) -> str:
     """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`.
+
     A LoRA run exports merged (base + scale * A B in every adapted kernel), or with ``adapter`` as PEFT
     adapters (`export_adapters`). ``base_checkpoint`` names the run's base checkpoint where it is now (it
     moved since the run). The model's embeddings of a few fixed texts must be finite (`check_outputs`)."""

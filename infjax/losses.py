@@ -161,12 +161,6 @@ def combine(objective: Objective, logits: dict[str, jax.Array]) -> jax.Array:
     raise ValueError(f"objective kind must be 'uni' or 'multi', got {objective.kind!r}")
 
 
-def per_row_loss(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None = None,
-                 i_cos: jax.Array | None = None, i_valid: jax.Array | None = None) -> jax.Array:
-    """The objective's loss for every row of the global batch: [R] float32."""
-    return combine(objective, objective_logits(objective, iq, p, iq_neg, i_cos, i_valid))
-
-
 REFERENCE_TEMPERATURE_OFFSET = 1e-4   # the reference code computes sim / (tau + 1e-4)
 
 

@@ -94,7 +94,7 @@ def pytest_sessionfinish(session):
 
 @pytest.fixture(scope="session")
 def four_step_run(tmp_path_factory):
-    """One small run shared by the fault-tolerance and hardening tests (copy it before changing it).
+    """One small run shared by the tests of restoring, resuming, checkpoints, the workdir and export (copy it first).
 
     4 steps on a local jsonl of 24 records, checkpoints at steps 2 and 4, a metrics record per step,
     started in a workdir that already held an older run's metrics.jsonl (and no checkpoints).

@@ -1,7 +1,8 @@
 """The package's layers import one way, with no cycles, and without hidden function-local imports.
 
-Layers, lowest first (a module may import its own package and any lower layer, nothing else), and one
-rule more: only the platform modules (`PLATFORM_MODULES`) ask which platform the program runs on.
+Layers, lowest first (a module may import its own package and any lower layer, nothing else), and two
+rules more: only the platform modules (`PLATFORM_MODULES`) ask which platform the program runs on, and every
+top-level function and class is reached from an entry point (`unreached_definitions`), not kept alive by tests.
 
 Layers:
 
@@ -194,3 +195,126 @@ def test_the_checks_catch_a_planted_violation(tmp_path, planted):
                                            "cycle": "from infjax.models.other import x\n"}[planted])
     modules = modules_of(str(pkg))
     assert upward_imports(modules) if planted != "cycle" else import_cycles(modules)
+
+
+# --------------------------------------------------------------------------
+# No code that only tests keep alive
+# --------------------------------------------------------------------------
+
+ENTRY_MODULES = re.compile(r"^infjax\.(train|evaluate|export|curate|bench|benchmarks\.\w+)$")
+DOCUMENTED_IMPORT = re.compile(r"from (infjax[\w.]*) import ([\w, ]+)")
+
+
+def _names_imported(module: str, tree: ast.Module, modules: dict[str, str]) -> tuple[dict, dict]:
+    """({local name: (module, name)} of names imported from infjax modules, {local name: module} of infjax
+    modules imported whole)."""
+    names, aliases = {}, {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname or a.name: a.name for a in node.names if a.name in modules})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("infjax"):
+            for a in node.names:
+                full = f"{node.module}.{a.name}"
+                if full in modules:
+                    aliases[a.asname or a.name] = full
+                else:
+                    names[a.asname or a.name] = (node.module, a.name)
+    return names, aliases
+
+
+def unreached_definitions(package_dir: str, scripts: str = "", docs: str = "") -> list[str]:
+    """`path:line name` of each top-level function or class of the package that no entry point reaches.
+
+    A name graph with imports resolved: a definition reaches what its body names (a name of its own module,
+    a name imported from an infjax module, `alias.attr` of an imported infjax module, a string naming a
+    definition of its module). The roots: the entry points' `main`, the module-level code of every module
+    (tables, registries; not `__all__`), the names `scripts` mentions (configs/ and launch/ files) and the
+    Python API `docs` show (`from infjax.x import a, b`)."""
+    modules = modules_of(package_dir)
+    trees = {m: ast.parse(open(p, encoding="utf-8").read()) for m, p in modules.items()}
+    imported = {m: _names_imported(m, t, modules) for m, t in trees.items()}
+    defs, edges, roots = {}, {}, set()
+
+    def follow(key, depth=0):                     # a name re-exported by another module: its definition
+        mod, name = key
+        if key in defs or depth > 5 or name not in imported.get(mod, ({}, {}))[0]:
+            return key
+        return follow(imported[mod][0][name], depth + 1)
+
+    for mod, tree in trees.items():
+        names, aliases = imported[mod]
+        own = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+        def refs(node):
+            out = set()
+            for n in ast.walk(node):
+                if isinstance(n, ast.Name) and n.id in own:
+                    out.add((mod, n.id))
+                elif isinstance(n, ast.Name) and n.id in names:
+                    out.add(names[n.id])
+                elif isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value in own:
+                    out.add((mod, n.value))
+                elif isinstance(n, ast.Attribute):
+                    chain, v = [n.attr], n.value
+                    while isinstance(v, ast.Attribute):
+                        chain.append(v.attr)
+                        v = v.value
+                    if isinstance(v, ast.Name) and v.id in aliases:
+                        target = aliases[v.id]
+                        for attr in reversed(chain):
+                            if f"{target}.{attr}" not in modules:
+                                out.add((target, attr))
+                                break
+                            target = f"{target}.{attr}"
+            return out
+
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defs[(mod, node.name)] = f"{modules[mod]}:{node.lineno} {node.name}"
+                edges[(mod, node.name)] = refs(node)
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+                continue
+            elif not isinstance(node, (ast.Import, ast.ImportFrom)):
+                roots |= refs(node)
+        if ENTRY_MODULES.match(mod):
+            roots.add((mod, "main"))
+    for mod, names in DOCUMENTED_IMPORT.findall(docs):
+        roots |= {(mod, n.strip()) for n in names.split(",")}
+    words = set(re.findall(r"\w+", scripts))
+    roots |= {key for key in defs if key[1] in words}
+    seen, todo = set(), [follow(r) for r in roots]
+    while todo:
+        key = todo.pop()
+        if key in defs and key not in seen:
+            seen.add(key)
+            todo += [follow(k) for k in edges[key]]
+    return sorted(where for key, where in defs.items() if key not in seen)
+
+
+def _text_of(root: str, *paths: str) -> str:
+    """The text of the files at `paths` under `root` (folders walked)."""
+    files = []
+    for path in paths:
+        full = os.path.join(root, path)
+        files += [full] if os.path.isfile(full) else [os.path.join(b, n) for b, _, ns in os.walk(full) for n in ns]
+    return "\n".join(open(f, encoding="utf-8", errors="replace").read() for f in files)
+
+
+def test_every_definition_is_reached_from_an_entry_point_not_only_from_tests():
+    """A top-level function or class that no entry point, config, launcher or documented API reaches is kept
+    alive by its tests alone: delete it, or let what trains, evaluates or exports use it."""
+    root = os.path.dirname(PACKAGE)
+    unreached = unreached_definitions(PACKAGE, _text_of(root, "configs", "launch"), _text_of(root, "README.md", "docs"))
+    assert not unreached, "reached by no entry point:\n" + "\n".join(unreached)
+
+
+def test_the_reach_check_catches_a_definition_only_a_test_calls(tmp_path):
+    pkg = tmp_path / "infjax"
+    (pkg / "data").mkdir(parents=True)
+    for init in (pkg / "__init__.py", pkg / "data" / "__init__.py"):
+        init.write_text("")
+    (pkg / "data" / "rows.py").write_text("def used():\n    return helper()\n\n\ndef helper():\n    return 1\n\n\n"
+                                          "def orphan():\n    return helper()\n\n\nclass Shown:\n    pass\n")
+    (pkg / "train.py").write_text("from infjax.data import rows\n\n\ndef main():\n    return rows.used()\n")
+    unreached = unreached_definitions(str(pkg), docs="from infjax.data.rows import Shown")
+    assert [u.rsplit(" ", 1)[1] for u in unreached] == ["orphan"]

@@ -1,14 +1,18 @@
 """Every entry point speaks absl flags through infjax.cli: `--help` lists every flag with its default, a bad flag
-is one line and exit 2, and every command line written in the README and docs/ still parses."""
+is one line and exit 2, and every command line written in the README and docs/ still parses; the refusals that
+every entry point makes alike (config files, flags given empty, the attention switch, an --out that cannot be
+written), each in one line."""
 import importlib
 import os
 import re
 import shlex
+import subprocess
+import sys
 
 import pytest
 from absl import flags
 
-from infjax import cli
+from infjax import cli, evaluate, export, train
 from tests.helpers.paths import ROOT
 
 # entry point -> (module, prog, required flags); bench NAME is benchmarks/<name>.py
@@ -82,9 +86,8 @@ def test_a_bad_flag_is_one_line_and_exit_2(argv, message, capsys):
 
 
 def test_a_deleted_current_folder_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
-    """Before: `infjax.train` in a folder deleted under it exited 2 with `[Errno 2] No such file or directory`
-    (a relative --config: a traceback), naming nothing. Now every entry point says so as it parses its flags,
-    and an error met later (the folder deleted mid-run) says so too."""
+    """A current folder deleted under a command is one line naming it, exit 2: as every entry point parses
+    its flags (a relative --config too), and when met later (the folder deleted mid-run)."""
     from infjax import errors
 
     gone = tmp_path / "gone"
@@ -153,8 +156,8 @@ def test_every_documented_command_line_parses():
 
 
 def test_transformers_notice_about_a_missing_pytorch_is_not_printed():
-    """Before, without torch (Python 3.12, `.[gpu]`): every entry point printed `[transformers] PyTorch was not
-    found. Models won't be available ...`; infjax uses transformers' tokenizers and configs only."""
+    """transformers' notice that PyTorch is missing (Python 3.12, `.[gpu]`) is not printed by any entry point:
+    infjax uses transformers' tokenizers and configs only; transformers' other warnings pass."""
     import logging
 
     import infjax  # noqa: F401 - the filter is installed on import
@@ -165,3 +168,119 @@ def test_transformers_notice_about_a_missing_pytorch_is_not_printed():
     other = logging.LogRecord("transformers", logging.WARNING, __file__, 1, "something else", None, None)
     logger = logging.getLogger("transformers")
     assert not logger.filter(notice) and logger.filter(other)
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--config.train.stepz=3", "--config.train.stepz: no such config key (did you mean 'steps'?)"),
+    ("--config=configs/nowhere.py", "--config=configs/nowhere.py: no such config file"),
+    ("--config=configs/multi_pi.py:nope", "unknown preset 'nope'"),
+])
+@pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
+def test_flag_errors_are_one_line(flag, message, command, capfd, monkeypatch):
+    """In process (what reaches file descriptors 1 and 2, as a terminal would show it): the flags are refused
+    before anything starts."""
+    from infjax import bench
+
+    monkeypatch.chdir(ROOT)
+    args = ["--config=configs/multi_pi.py", flag] if flag.startswith("--config.") else [flag]
+    try:
+        code = train.main(args) if command == ["infjax.train"] else bench.main([command[1], *args])
+    except SystemExit as e:
+        code = e.code
+    out = "".join(capfd.readouterr())
+    assert code == 2 and message in out and "Traceback" not in out
+    assert len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--config=configs/multi_pi.py", "--config=configs/multi_pi.py:minilm"],
+    ["--config=configs/multi_pi.py", "--config.train.steps=3", "--config=configs/multi_pi.py:minilm"],
+    ["--config", "configs/multi_pi.py", "--config", "configs/multi_pi.py:minilm"],
+], ids=["two files", "with an override", "two-word form"])
+def test_a_second_config_file_is_refused_naming_both(argv, capsys):
+    """A second --config file is refused in one line naming both, with or without overrides between them
+    (never "defined twice", never the later file winning silently)."""
+    with pytest.raises(SystemExit) as e:
+        train.parse_flags(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "python -m infjax.train: error: --config is given 2 times (configs/multi_pi.py, configs/multi_pi.py:minilm): "
+        "give one config file and change its keys with --config.KEY=VALUE"]
+
+
+@pytest.mark.parametrize("command", [["infjax.train"], ["infjax.bench", "train"]], ids=["train", "bench"])
+def test_a_config_file_that_does_not_parse_is_one_line(tmp_path, command, capfd):
+    from infjax import bench
+
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config(arg=None):\n    return {\n")
+    try:               # in process: refused while the flags are read, before anything starts
+        code = train.main([f"--config={broken}"]) if command == ["infjax.train"] else \
+            bench.main([command[1], f"--config={broken}"])
+    except SystemExit as e:
+        code = e.code
+    out = "".join(capfd.readouterr())
+    assert code == 2 and "Traceback" not in out, out
+    assert len(out.strip().splitlines()) == 1 and f"--config={broken}:" in out and "line 2" in out, out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--config=configs/multi_pi.py", "--workdir="], "--workdir"),
+    (["--model=", "--dataset=synthetic"], "--model"),
+    (["--model=runs/x", "--dataset=synthetic", "--out="], "--out"),
+    (["--workdir=runs/x", "--out="], "--out"),
+], ids=["train", "evaluate model", "evaluate out", "export"])
+def test_a_flag_given_empty_is_refused_not_taken_as_not_given(argv, flag, capsys, monkeypatch):
+    """A flag given empty (`--workdir=$UNSET`) is refused in one line naming it, exit 2, not taken as
+    the flag's default."""
+    monkeypatch.chdir(ROOT)
+    parse = {"train": train.parse_flags, "evaluate": evaluate.parse_flags,
+             "export": lambda a: export.main(a)}["export" if argv[0].startswith("--workdir") else
+                                                 "train" if argv[0].startswith("--config") else "evaluate"]
+    with pytest.raises(SystemExit) as e:
+        parse(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f": error: {flag} is given empty (an unset shell variable?): give a "
+                                             f"value, or leave the flag out for its default"), err
+
+
+def test_flags_where_empty_means_something_still_take_it():
+    fv = evaluate.parse_flags(["--model=runs/x", "--dataset=synthetic", "--query_prefix=", "--instruction="])
+    assert fv.query_prefix == "" and fv.instruction == ""
+    fv = train.parse_flags(["--config=configs/multi_pi.py", "--config.eval.canary="])
+    assert fv.config.eval.canary == ""
+
+
+@pytest.mark.parametrize("entry", ["infjax.train", "infjax.evaluate"])
+def test_a_bad_attention_switch_is_one_line(entry, tmp_path):
+    args = ["--config=configs/multi_pi.py", f"--workdir={tmp_path / 'w'}"] if entry == "infjax.train" else \
+        ["--model=embedded:all-MiniLM-L6-v2", "--dataset=synthetic"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="", INFJAX_ATTENTION="bogus")
+    p = subprocess.run([sys.executable, "-m", entry, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 2 and "Traceback" not in out, out
+    assert sum("INFJAX_ATTENTION='bogus': choose one of" in line for line in out.splitlines()) == 1, out
+    assert not [line for line in out.splitlines() if "ERROR" in line or "error" in line][1:], out
+    assert not (tmp_path / "w").exists()
+
+
+READ_ONLY = "/proc/sys"          # not writable, even for root (a read-only mount in containers, root-owned else)
+
+
+@pytest.mark.skipif(os.access(READ_ONLY, os.W_OK), reason=f"{READ_ONLY} is writable here")
+@pytest.mark.parametrize("entry", ["evaluate", "curate"])
+def test_an_out_folder_that_cannot_be_written_is_refused_before_the_work(entry, tmp_path, capsys, caplog):
+    out = f"{READ_ONLY}/infjax-out"
+    if entry == "evaluate":
+        from infjax import evaluate
+        code = evaluate.main(["--model=embedded:all-MiniLM-L6-v2", "--dataset=synthetic", f"--out={out}"])
+    else:
+        from infjax import curate
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={tmp_path}", f"--out={out}", "--backend=local"])
+        code = e.value.code
+    shown = capsys.readouterr().err + caplog.text           # curate reports through its logger
+    assert code == 2
+    assert out in shown and "--out=" in shown and f"cannot write there: {READ_ONLY} is not writable" in shown

@@ -1,14 +1,17 @@
 """Config files, presets, overrides and validation (refused before anything compiles)."""
 import glob
+import json
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from infjax import config as config_lib
+from infjax import config as config_lib, errors
 from infjax.losses import OBJECTIVES
+from tests.helpers.configs import small_config
 from tests.helpers.paths import ROOT
 
 
@@ -112,9 +115,9 @@ def test_a_preset_prefix_kept_for_another_model_is_named():
 
 
 def test_ones_own_data_trains_the_documented_defaults_and_the_demo_stays_on_the_synthetic_corpus():
-    """Before: the README's "Your own data" command, `--config=configs/multi_pi.py --config.data.source=FILE`,
-    trained the embedded preset's synthetic demo (150 steps of 8 records, texts cut at 48 tokens) where the
-    README's table of defaults says 2 epochs of 32 records, 256/512 tokens. A key given on the command line wins."""
+    """One's own data (`--config.data.source=FILE`) trains the README's table of defaults (2 epochs of 32
+    records, 256/512 tokens); the embedded preset's demo stays on the synthetic corpus (150 steps of 8
+    records, 48 tokens); a key given on the command line wins."""
     from infjax import train
 
     def shape(*argv):
@@ -137,3 +140,34 @@ def test_ones_own_data_trains_the_documented_defaults_and_the_demo_stays_on_the_
         "train.batch_size, train.epochs change them)")
     e5 = config_lib.base_config("multi_pi", "e5-base-v2")
     assert config_lib.for_data_source(e5) == []                          # the hub presets have these defaults
+
+
+@pytest.mark.parametrize("key", ["train.learning_rate", "loss.temperature", "train.weight_decay",
+                                 "train.grad_clip"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_non_finite_float_knobs_are_refused_naming_the_key(key, value):
+    with pytest.raises(errors.ConfigError, match=f"config.{key}=.*finite"):
+        config_lib.validate(small_config(**{key: value}))
+
+
+@pytest.mark.parametrize("mesh, key", [({"fsdp": 3}, "mesh.fsdp=3"), ({"data": 3}, "mesh.data=3"),
+                                       ({"data": 2, "tensor": 3}, "mesh.tensor=3")])
+def test_mesh_error_blames_the_axis_that_does_not_divide(mesh, key):
+    with pytest.raises(errors.ConfigError, match=f"config.{key}: mesh"):
+        config_lib.validate(small_config(**{f"mesh.{a}": v for a, v in mesh.items()}), num_devices=8)
+
+
+@pytest.mark.parametrize("value", [-1.0, -0.5])
+def test_a_stop_grace_that_is_not_seconds_is_refused_naming_the_key(value):
+    with pytest.raises(errors.ConfigError, match=re.escape(f"config.train.stop_grace_s={value!r}: must be >= 0 "
+                                                           f"seconds")):
+        config_lib.validate(small_config(**{"train.stop_grace_s": value}))
+
+
+def test_incompatible_changes_allow_harmless_keys():
+    a = json.loads(small_config().to_json_best_effort())
+    b = json.loads(small_config(**{"train.steps": 99, "log_every": 7, "eval.batch_size": 3, "mesh.data": 2,
+                                   "checkpoint.every": 5, "resume": True}).to_json_best_effort())
+    assert config_lib.incompatible_changes(a, b) == []
+    c = json.loads(small_config(**{"data.query_max_len": 40}).to_json_best_effort())
+    assert [k for k, _, _ in config_lib.incompatible_changes(a, c)] == ["data.query_max_len"]

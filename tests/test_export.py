@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import shutil
 
 import jax
@@ -26,6 +27,8 @@ from infjax.runtime.restore import load_run  # noqa: E402
 from tests.helpers.configs import EXPORT_MAX_LEN as MAX_LEN  # noqa: E402
 from tests.helpers.configs import small_config as train_config  # noqa: E402
 from tests.helpers.configs import small_export_config as small_config  # noqa: E402
+from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.runs import _poisoned_copy  # noqa: E402
 from tests.helpers.tiny import write_run_dir  # noqa: E402
 from tests.helpers.signals import dispositions  # noqa: E402
 
@@ -172,10 +175,10 @@ def test_overwrite_never_removes_the_run_or_what_export_did_not_write(shared_run
 
 
 def test_an_out_inside_a_run_is_refused_at_every_depth(tmp_path, capsys):
-    """As reported: --out=RUN/checkpoints/3/exp exited 0, and the run's checkpoint rotation later deleted the
-    export with step 3; --out=RUN/checkpoints/99 made the export the run's latest checkpoint. A folder inside the
-    run at any depth is refused before anything is read or written, named as given and through links and `..`,
-    and so is one inside another run."""
+    """An --out inside the run, at any depth, is refused before anything is read or written; so is one in another run.
+
+    It is named as given and through links and `..` (the run's checkpoint rotation would delete an export in
+    checkpoints/3, and one written as checkpoints/99 would become the run's latest checkpoint)."""
     run, other = tmp_path / "run", tmp_path / "other"
     (run / "checkpoints" / "3").mkdir(parents=True)          # a run as the check sees it: a finished step folder
     (other / "checkpoints" / "1").mkdir(parents=True)
@@ -402,7 +405,7 @@ def _folder_mib(folder):
 
 def test_an_export_that_does_not_fit_on_its_disk_is_refused_naming_flag_folder_and_sizes(shared_run, exported,
                                                                                         tmp_path, monkeypatch, capsys):
-    """Before: "no space left on the device" part-way, naming neither the flag, the folder nor the size needed."""
+    """An export that does not fit on its disk is refused before writing, naming the flag, the folder and sizes."""
     monkeypatch.setattr(export.checkpoint, "free_bytes", lambda path: 2**20)
     out = tmp_path / "model"
     assert export.main(["--workdir", shared_run, "--out", str(out)]) == 2
@@ -443,8 +446,9 @@ def test_a_disk_that_fills_during_the_export_stops_it_leaving_the_earlier_export
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP"])
 def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(shared_run, tmp_path, monkeypatch,
                                                                           capsys, name):
-    """Before: exit 143 with no line, and the temporary folder (87 MiB) left until the next export to DIR; SIGHUP
-    (a closed terminal) the same with exit 129. A hung-up terminal itself: tests/test_cli.py."""
+    """SIGTERM or SIGHUP during an export removes its temporary folder, exits 143 / 129, says so in one line.
+
+    A hung-up terminal itself: tests/test_errors.py."""
     import signal
 
     signum = signal.Signals[name]
@@ -466,8 +470,9 @@ def test_sigterm_during_an_export_removes_its_temporary_folder_in_one_line(share
 
 
 def test_overwrite_through_a_symbolic_link_writes_its_target_and_leaves_nothing_behind(tmp_path, capsys):
-    """Before: `export --out=LINK --overwrite`, LINK a link to an earlier export, replaced the link by a folder and
-    left a hidden `.LINK.old-*` link beside it. Now the export replaces what the link points to; the link stays."""
+    """`export --out=LINK --overwrite` replaces the earlier export LINK points to; the link stays, nothing is left.
+
+    No hidden `.LINK.old-*` is left beside it, and the link is not replaced by a folder."""
     run = write_run_dir(tmp_path / "run", step=1, noise=0.0)
     exports = tmp_path / "exports"
     (exports / "v1").mkdir(parents=True)                         # an earlier export, as its marker file says
@@ -482,3 +487,42 @@ def test_overwrite_through_a_symbolic_link_writes_its_target_and_leaves_nothing_
     assert sorted(os.listdir(exports)) == ["latest", "v1"]      # no hidden .latest.old-* or .v1.old-* left
     assert os.readlink(exports / "latest") == "v1"
     assert export.is_export(str(exports / "v1")) and not (exports / "v1" / "from-the-earlier-export.txt").exists()
+
+
+def test_export_refuses_a_model_whose_parameters_are_finite_but_whose_embeddings_are_not(four_step_run, tmp_path,
+                                                                                           capsys):
+    """A checkpoint whose parameters are finite but whose embeddings of fixed test texts are not is refused
+    in one line naming the step, exit 2, with nothing written; an earlier step exports."""
+    copy = _poisoned_copy(four_step_run[0], tmp_path, leaf=None, value=1e38)     # finite, but overflows inside
+    out = tmp_path / "out"
+    assert export.main(["--workdir", copy, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.fullmatch(
+        rf"infjax.export: error: export of {re.escape(copy)} step 5: the model embeds fixed test texts as NaN or inf "
+        r"\(3 of 3 queries, 3 of 3 passages\) although its parameters are finite: .*--step.*", err[0]), err
+    assert sorted(os.listdir(tmp_path)) == ["poisoned"]                  # nothing written, no temporary folder
+    assert export.main(["--workdir", copy, "--out", str(out), "--step", "4"]) == 0   # the earlier step exports
+
+
+def test_a_checkpoint_cut_short_is_one_line_naming_the_array_and_nothing_after_it(four_step_run, tmp_path):
+    """A checkpoint cut short is one line naming the array, and nothing after it.
+
+    Every data file of checkpoint 4 (OCDBT's d/ folders, where the arrays' bytes are) cut to half its size:
+    the export that reads it prints that one line, exit 2, and none of the other pending reads' tracebacks
+    (3,855 lines for a resumed run when they were printed)."""
+    workdir = str(tmp_path / "run")
+    shutil.copytree(four_step_run[0], workdir)
+    cut = 0
+    for root, _, files in os.walk(os.path.join(workdir, "checkpoints", "4", "state")):
+        for name in files if os.path.basename(root) == "d" else ():
+            path = os.path.join(root, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+            cut += 1
+    assert cut
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", "infjax.export", f"--workdir={workdir}", f"--out={tmp_path / 'out'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    lines = (p.stdout + p.stderr).splitlines()
+    assert p.returncode == 2 and len(lines) == 1, "\n".join(lines[:40])
+    assert re.fullmatch(r"infjax.export: error: checkpoint .*/checkpoints/4 cannot be read \(parameters\): ValueError: "
+                        r"\w+: .*Error reading \"params\.[^\"]+\" in OCDBT database .*", lines[0]), lines[0]

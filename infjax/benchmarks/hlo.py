@@ -1,5 +1,7 @@
-"""What a program holds, read from its HLO text: optimized (`compiled.as_text()`) or as JAX lowered it
-(`lowered.as_text(dialect="hlo")`, what every platform's compiler is given).
+"""What a program holds, read from its HLO text: its low-precision sums, its kernels and its matmul FLOPs.
+
+The HLO text is either optimized (`compiled.as_text()`) or as JAX lowered it (`lowered.as_text(dialect="hlo")`,
+what every platform's compiler is given).
 
 - `low_precision_sums`: every reduction and scatter whose sum is taken in bfloat16 or float16 (its reducer adds
   in that type): a reduce, reduce-window, scatter, select-and-scatter, all-reduce or reduce-scatter. A

@@ -34,7 +34,7 @@ from absl import flags
 
 from infjax import cli, config as config_lib
 from infjax.benchmarks import shapes as bench_shapes
-from infjax.data import prefetch, token_store
+from infjax.data import pipeline, prefetch, token_store
 from infjax.models.encoder import load_encoder
 from infjax.training import setup as setup_lib
 
@@ -61,8 +61,9 @@ def define_flags(fv: flags.FlagValues) -> None:
 
 
 def write_shaped(count: int, folder: str, seed: int = 0, per_file: int = 250_000) -> str:
-    """`count` InF-IR-shaped records (benchmarks/shapes.py) as hub-layout parquet files in `folder`
-    (data/msmarco-NNNNN-of-MMMMM.parquet); the folder. Written file by file: memory stays that of one file."""
+    """`count` InF-IR-shaped records (benchmarks/shapes.py) as hub-layout parquet files in `folder`; the folder.
+
+    The files are data/msmarco-NNNNN-of-MMMMM.parquet, written file by file: memory stays that of one file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -94,12 +95,12 @@ def shaped_source(count: int, cache_dir: str) -> str:
 def measure(config, devices: int, steps: int, step_ms: float, workers: int) -> dict:
     encoder, _, path = load_encoder(config.model, weights=False)
     t0 = time.perf_counter()
-    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
     open_s = time.perf_counter() - t0
     setup = setup_lib.make_batch_setup(config, data, encoder, path, setup_lib.make_objective(config),
                                        num_devices=devices)
     build = setup.build
-    total = setup_lib.total_steps(config, setup.plan)
+    total = pipeline.total_steps(config, setup.plan)
     chosen = list(range(min(steps, total)))
     costs = []
     for step in chosen:

@@ -82,9 +82,10 @@ def summarize(events: list[dict], steps: int, wall_s: float, top: int = TOP) -> 
 
 
 def profile_steps(step, state, batches: list, folder: str, shape=lambda b: None) -> tuple[object, dict]:
-    """Run `step(state, batch)` on each batch (compiled and warm already) under `jax.profiler.trace` into
-    `folder`; returns (the new state, `summarize` of the trace). `step` may be a dict of compiled steps keyed by
-    `shape(batch)`."""
+    """Run `step(state, batch)` on each batch under `jax.profiler.trace`; returns (new state, trace summary).
+
+    The steps are compiled and warm already; the trace goes into `folder`, and the summary is `summarize` of it. `step`
+    may be a dict of compiled steps keyed by `shape(batch)`."""
     pick = (lambda b: step[shape(b)]) if isinstance(step, dict) else (lambda b: step)
     times = []
     with jax.profiler.trace(folder, create_perfetto_trace=True):

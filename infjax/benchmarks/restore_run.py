@@ -1,5 +1,7 @@
-"""`python -m infjax.benchmarks.restore_run WORKDIR`: restore a run's model onto the default mesh, as
-`infjax.evaluate --model=WORKDIR` does (a child of `infjax.bench export`, which measures its memory)."""
+"""Restore a run's model onto the default mesh, as `infjax.evaluate --model=WORKDIR` does.
+
+`python -m infjax.benchmarks.restore_run WORKDIR`: a child of `infjax.bench export`, which measures its memory.
+"""
 import sys
 
 from infjax.runtime.restore import load_run

@@ -1,6 +1,8 @@
-"""The paper's shapes without downloads: records with InF-IR's text lengths, and checkpoint folders of the
-paper's backbones holding a config.json and a tokenizer but no weights (load them with weights=False and draw
-the parameters, or only compile)."""
+"""The paper's shapes without downloads: records with InF-IR's text lengths, and checkpoint folders without weights.
+
+The checkpoint folders are of the paper's backbones, holding a config.json and a tokenizer but no weights (load
+them with weights=False and draw the parameters, or only compile).
+"""
 from __future__ import annotations
 
 import json
@@ -64,10 +66,12 @@ BYTE_BPE_VOCAB = 875    # see write_byte_bpe_tokenizer
 
 
 def checkpoint_folder(hf_config: dict, root: str) -> str:
-    """A checkpoint folder with `hf_config` as config.json and a tokenizer (no weights: load it with
-    weights=False and fill the params with `random_params`): a BERT WordPiece one (`tokenizer_source`), or for
-    the decoders a byte-level BPE one that their own tokenizer classes read, which transformers picks for them
-    whatever tokenizer_config.json says (given WordPiece files, Qwen2's splits text into single characters)."""
+    """A checkpoint folder with `hf_config` as config.json and a tokenizer, but no weights.
+
+    No weights: load it with weights=False and fill the params with `random_params`. The tokenizer is a BERT WordPiece
+    one (`tokenizer_source`), or for the decoders a byte-level BPE one that their own tokenizer classes read, which
+    transformers picks for them whatever tokenizer_config.json says (given WordPiece files, Qwen2's splits text into
+    single characters)."""
     folder = tempfile.mkdtemp(prefix=f"{hf_config['model_type']}_", dir=root)
     decoder = hf_config["model_type"] in DECODER_TYPES
     tokenizer = os.path.join(root, "tokenizer_bpe" if decoder else "tokenizer")
@@ -111,9 +115,11 @@ def write_tokenizer(folder: str) -> None:
 
 
 def write_byte_bpe_tokenizer(folder: str) -> None:
-    """A byte-level BPE tokenizer (GPT-2 / Qwen2 files: tokenizer.json, vocab.json, merges.txt) trained on the
-    benchmark's vocabulary, `BYTE_BPE_VOCAB` pieces: sized so that the benchmark's texts get the token counts the
-    embedded MiniLM gives them (within 3%), so the decoder shapes are the paper's lengths too."""
+    """A byte-level BPE tokenizer (GPT-2 / Qwen2 files) trained on the benchmark's vocabulary.
+
+    Its files are tokenizer.json, vocab.json and merges.txt; `BYTE_BPE_VOCAB` pieces: sized so that the benchmark's
+    texts get the token counts the embedded MiniLM gives them (within 3%), so the decoder shapes are the paper's
+    lengths too."""
     import transformers
     from tokenizers import ByteLevelBPETokenizer
 

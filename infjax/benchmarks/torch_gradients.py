@@ -1,5 +1,7 @@
-"""The anchor of `bench gradients --vs_torch`: the same loss's gradient through the Hugging Face model in torch,
-in float32 and under `torch.autocast(bfloat16)`, the paper's setup (Hugging Face Trainer with `bf16=True`).
+"""The anchor of `bench gradients --vs_torch`: the same loss's gradient through the Hugging Face model in torch.
+
+The gradient is computed in float32 and under `torch.autocast(bfloat16)`, the paper's setup (Hugging Face Trainer
+with `bf16=True`).
 
     grads = torch_gradients.gradients(folder, padding_side, batch, pooling, loss_fn, autocast=True)
 

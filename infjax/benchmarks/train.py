@@ -40,7 +40,7 @@ from absl import flags
 from infjax import cli, config as config_lib, errors
 from infjax.benchmarks import flops as flops_lib, shapes as bench_shapes, torch_loop
 from infjax.benchmarks.shapes import inf_ir_shaped_records
-from infjax.data import prefetch
+from infjax.data import pipeline, prefetch
 from infjax.data.batches import real_tokens
 from infjax.models import remat as remat_lib
 from infjax.models.encoder import load_encoder, query_params
@@ -105,16 +105,17 @@ class Setup:
 
     def __init__(self, config, records: list[dict] | None = None, weights: bool = True, devices=None,
                  choose_remat: bool = True):
-        """`weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile.
-        `devices`: those to build the mesh of (default: JAX's), e.g. a compile-only target's (only `compile`
-        and `abstract_batch` then apply; the batches are sized by their count). With `model.remat=auto`, the
-        policy is chosen as a run chooses it, unless `choose_remat` is False (the step is then `full`'s;
-        `step_for` gives any policy's)."""
+        """Build the run's model, data, mesh, sharded state and compiled step from `config`.
+
+        `weights=False` reads only the checkpoint's config.json (params are shapes): enough to compile. `devices`:
+        those to build the mesh of (default: JAX's), e.g. a compile-only target's (only `compile` and `abstract_batch`
+        then apply; the batches are sized by their count). With `model.remat=auto`, the policy is chosen as a run
+        chooses it, unless `choose_remat` is False (the step is then `full`'s; `step_for` gives any policy's)."""
         devices = list(devices if devices is not None else jax.devices())
         config_lib.validate(config, len(devices), jax.process_count())
         self.config = config
         self.encoder, params, path = load_encoder(config.model, weights=weights)
-        self.data = setup_lib.open_training_data(config, path, self.encoder.padding_side, records=records)
+        self.data = pipeline.open_training_data(config, path, self.encoder.padding_side, records=records)
         self.objective = setup_lib.make_objective(config)
         batch_setup = setup_lib.make_batch_setup(config, self.data, self.encoder, path, self.objective,
                                                  num_devices=len(devices))
@@ -129,7 +130,7 @@ class Setup:
         if auto and not choose_remat:
             self.step = self.step_for("full")
         else:
-            example = self.abstract_inputs(self.abstract_batch(setup_lib.widest_step(self.build))) if auto else None
+            example = self.abstract_inputs(self.abstract_batch(pipeline.widest_step(self.build))) if auto else None
             self.step = setup_lib.compiled_train_step(config, self.encoder, self.objective, self.optimizer,
                                                       self.schedule, self.mesh, self.shardings, example, devices[0])
             if auto:
@@ -180,9 +181,9 @@ def _shape(batch) -> tuple:
 
 
 def warm_up(compiled: dict, state, batches: list, warmup: int):
-    """Run the first `warmup` batches, then one batch of each compiled shape that has not run yet (its first run
-    loads the program and allocates its buffers: inside a timed loop it would be a slow step). Returns the
-    state."""
+    """Run the first `warmup` batches, then one batch of each compiled shape that has not run yet; returns the state.
+
+    A shape's first run loads the program and allocates its buffers: inside a timed loop it would be a slow step."""
     ran = set()
     for i, b in enumerate(batches):
         if i < warmup or _shape(b) not in ran:
@@ -237,11 +238,12 @@ def throughput(config, steps: int, warmup: int, peak_override: float = 0.0, reco
 
 
 def real_loop(setup: Setup, compiled: dict, state, start: int, steps: int) -> dict:
-    """Steps start+1 .. start+steps-1 as infjax.train's loop runs them: each batch assembled by the run's
-    pipeline (data/prefetch.py, its workers chosen as a run chooses them), put on the devices and dispatched
-    without waiting, the last one waited for. {"step_s": wall time per step, "examples_per_s", "data_wait_share":
-    the time spent waiting for batches, "pipeline": what assembled them}. The first batch (the workers' start)
-    is taken before the clock."""
+    """Steps start+1 .. start+steps-1 as infjax.train's loop runs them, timed; returns what the loop measured.
+
+    Each batch is assembled by the run's pipeline (data/prefetch.py, its workers chosen as a run chooses them), put on
+    the devices and dispatched without waiting, the last one waited for. Returns {"step_s": wall time per step,
+    "examples_per_s", "data_wait_share": the time spent waiting for batches, "pipeline": what assembled them}. The
+    first batch (the workers' start) is taken before the clock."""
     c = setup.config
     workers, why = prefetch.choose_workers(setup.build, c.data.step_workers, start, start + steps)
     stream = prefetch.StepStream(setup.build, start, start + steps, workers, c.data.prefetch)
@@ -391,8 +393,9 @@ def main(argv: list[str]) -> None:
         t0 = time.perf_counter()
         compiled = setup.compile(setup.batch(0))
         m = compiled.memory_analysis()
+        packed = setup.build.packing
         print(f"mesh {dict(setup.mesh.shape)}, {setup.build.global_rows} rows per step, packing "
-              f"{ {k: (c.rows, c.length) for k, c in (setup.build.capacities or {}).items()} }; compiled in "
+              f"{ {k: (c.rows, c.length) for k, c in (packed.capacities if packed else {}).items()} }; compiled in "
               f"{time.perf_counter() - t0:.1f} s")
         print(f"per device: peak {peak_bytes(compiled) / 2**30:.2f} GiB (arguments {m.argument_size_in_bytes / 2**30:.2f}"
               f", temporaries {m.temp_size_in_bytes / 2**30:.2f}, outputs {m.output_size_in_bytes / 2**30:.2f}, "
@@ -405,7 +408,7 @@ def main(argv: list[str]) -> None:
             shutil.rmtree(root, ignore_errors=True)
         return
     r = throughput(config, fv.steps, fv.warmup, fv.peak_flops, records)
-    shapes = r["setup"].build.shapes
+    shapes = r["setup"].build.packing.shapes if r["setup"].build.packing is not None else None
     packed = "off" if shapes is None else "; ".join(
         " ".join(f"{side} {n}x{shapes.lengths[side]}" for side, n in rows.items()) for rows in shapes.rows)
     print(f"mesh {r['mesh']}, {r['rows_per_step']} rows per step, chunk_size {config.train.chunk_size}, "
@@ -435,7 +438,8 @@ def main(argv: list[str]) -> None:
               f"{full['compiled_flops_per_step_per_device'] / 1e9:.4g}")
     if fv.vs_torch:
         build = r["setup"].build
-        steps = [[build.side_texts(i, local=False)[0][s] for s in ("q", "p")] for i in range(fv.warmup + fv.steps)]
+        steps = [[build.step_texts.side_texts(i, local=False)[0][s] for s in ("q", "p")]
+                 for i in range(fv.warmup + fv.steps)]
         t = torch_loop.run_in_child(steps, fv.warmup, config)
         print(f"pytorch loop (same rows, dynamic padding, {t['threads']} threads): step {t['step_s'] * 1e3:.1f} ms "
               f"(median of {fv.steps})  {r['rows_per_step'] / t['step_s']:.1f} examples/s  real share "

@@ -220,19 +220,21 @@ def redacted_url(url: str) -> str:
 
 
 def escaped(text: str) -> str:
-    """`text` with every character a terminal would act on (escape sequences, control and format characters)
-    written as Python writes it in a repr (``\\x1b``, ``\\n``, ``\\u200b``), as data-set ids and answers are
-    shown in messages (``{value!r}``): server text never reaches the console raw."""
+    """`text` with every character a terminal would act on written as Python writes it in a repr.
+
+    Those are escape sequences, control and format characters (so ``\\x1b``, ``\\n``, ``\\u200b``), written as data-set
+    ids and answers are shown in messages (``{value!r}``): server text never reaches the console raw."""
     if text.isprintable():       # the common case
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class Redactor:
-    """Replaces every secret the client knows in a text by ``***``: the key, a URL's userinfo and each of its
-    parts (raw and percent-decoded), and so the Authorization header values sent (a Basic header's base64
-    too), each also as a JSON string writes it (``/`` as ``\\/``). Longer secrets first, so that one inside
-    another goes whole."""
+    """Replaces every secret the client knows in a text by ``***``.
+
+    The secrets: the key, a URL's userinfo and each of its parts (raw and percent-decoded), and so the Authorization
+    header values sent (a Basic header's base64 too), each also as a JSON string writes it (``/`` as ``\\/``). Longer
+    secrets first, so that one inside another goes whole."""
 
     def __init__(self, secrets):
         variants = set()
@@ -328,9 +330,10 @@ class OpenAIBackend(Backend):
         await asyncio.sleep(wait)
 
     async def _post(self, client, body: dict, max_tokens: int) -> tuple[int, object, bytes]:
-        """POST `body`; (status, headers, body bytes). An answer (200) past `answer_byte_limit` raises
-        Oversized as soon as its length says so (declared or read); an error body is read up to
-        ERROR_BODY_BYTES."""
+        """POST `body`; (status, headers, body bytes).
+
+        An answer (200) past `answer_byte_limit` raises Oversized as soon as its length says so (declared or read); an
+        error body is read up to ERROR_BODY_BYTES."""
         async with client.stream("POST", self._endpoint, json=body) as response:
             ok = response.status_code == 200
             limit = answer_byte_limit(max_tokens) if ok else ERROR_BODY_BYTES

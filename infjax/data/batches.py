@@ -1,22 +1,25 @@
-"""Assemble a step: this host's slice of the global batch, as numpy arrays, from the token store.
+"""Assemble a step: this process's slice of the global batch, as numpy arrays, from the token store.
 
-The batch at a given step is a pure function of (seed, step): the record
-order of epoch e is a permutation drawn from (seed, e), and the instruction
-negatives of a step are drawn from (seed, step). The data-iterator position
-is therefore just the step, which makes resuming exact, and any worker can
-build any step (data/prefetch.py builds them ahead of the loop).
+A step's batch is a pure function of (seed, step): the record order of epoch
+e is a permutation drawn from (seed, e) (`BatchPlan`), and the instruction
+negatives of a step are drawn from (seed, step)
+(`InstructionNegativeSampler`). The data-iterator position is therefore just
+the step, which makes resuming exact, and any worker can build any step
+(data/prefetch.py builds them ahead of the loop).
 
-A step's texts are assembled from the ids of data/token_store.py, not
-tokenized: an instruction-aware query is the special tokens, the template's
-constant ids and its two fields' ids, cut at query_max_len, as the tokenizer
-makes the whole text (checked on every query of the data when the store was
-built). Where that does not hold (`TokenStore.exact` False), each step's
-texts are tokenized as the step is built (`Texts`), the old way.
+It reads in two stages. `StepTexts` says which texts each encoder input of a
+step holds, as ids assembled from data/token_store.py, not tokenized: an
+instruction-aware query is the special tokens, the template's constant ids
+and its two fields' ids, cut at query_max_len, as the tokenizer makes the
+whole text (checked on every query of the data when the store was built).
+Where that does not hold (`TokenStore.exact` False), each step's texts are
+tokenized as the step is built (per-step tokenization). `BatchBuilder` then
+lays those texts out: padded (each text padded to its side's max length:
+`q_ids`, `q_mask` [R, L] ...), or packed (data.packing: each side a dict of
+packed arrays, `{"q": {"ids", "mask", "text", "first", "last", "segments"},
+...}`, one packing per batch shard, or per gradient-caching chunk of one, see
+data/packing.py) in the shapes of its `Packing`.
 
-A batch is padded (each text padded to its side's max length: `q_ids`,
-`q_mask` [R, L] ...) or packed (data.packing: each side a dict of packed
-arrays, `{"q": {"ids", "mask", "text", "first", "last", "segments"}, ...}`, one packing
-per batch shard, or per gradient-caching chunk of one, see data/packing.py).
 Packed buffers have fixed shapes, measured once before the first step over
 every step of the run, or a sample of 512 spread over a longer one
 (`measure_shapes`): per side a row length, the most texts a row holds (rounded
@@ -125,8 +128,10 @@ class InstructionNegativeSampler:
 
 @dataclasses.dataclass(frozen=True)
 class Texts:
-    """The records as text, for what needs the texts themselves: a store whose ids cannot be assembled
-    (`TokenStore.exact` False: each step is tokenized as it is built), and `BatchBuilder.side_texts`."""
+    """The records as text, for what needs the texts themselves.
+
+    That is a store whose ids cannot be assembled (`TokenStore.exact` False: per-step tokenization), and
+    `StepTexts.side_texts`."""
 
     records: Sequence[dict]          # the training records (as `TokenStore` numbers them)
     tokenizer: Tokenizer
@@ -142,9 +147,13 @@ class Side:
     cut: np.ndarray | None = None    # [T] bool: the text was longer than its max length (None: not known)
 
 
-@dataclasses.dataclass
-class BatchBuilder:
-    """Turns a step into this host's slice of the global batch, as numpy arrays."""
+@dataclasses.dataclass(frozen=True)
+class StepTexts:
+    """Which texts each encoder input of a step holds: this process's (or all) texts, as ids or as text.
+
+    Sides: "q" (template(I, Q)), "p" (passages), "n" (the K instruction negatives of each row, row-major)
+    under Interaction I; "i" (instructions), "qo" (queries) and "p" under Interaction II.
+    """
 
     store: TokenStore
     plan: BatchPlan
@@ -155,14 +164,6 @@ class BatchBuilder:
     process_index: int = 0
     process_count: int = 1
     interaction: str = "concat"     # concat | cross_attention (instructions and queries encoded apart)
-    capacities: dict[str, packing.Capacity] | None = None   # side -> packed capacity (None: padded batches)
-    shapes: packing.Shapes | None = None          # several packed shapes, one per step (None: `capacities` always)
-    shards: int = 1                 # batch shards of this process (packing packs each shard apart)
-    capacity_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (error messages)
-    pack_lengths: dict[str, int] | None = None    # "query" / "passage" -> tokens per packed row (default max_len)
-    chunks: dict[str, int] | None = None          # side -> gradient-caching chunks, each packed apart (None: off)
-    fixed_sides: tuple[str, ...] = ()             # sides whose rows the config fixes (never fitted nor grown)
-    padding_side: str = "right"     # padded batches: where the pad ids go (decoders: left)
     texts: Texts | None = None      # the records as text (required when the store is not exact)
 
     def __post_init__(self):
@@ -185,13 +186,15 @@ class BatchBuilder:
     def max_len(self, side: str) -> int:
         return self.passage_max_len if side == "p" else self.query_max_len
 
-    def pack_length(self, side: str) -> int:
-        return (self.pack_lengths or {}).get("passage" if side == "p" else "query") or self.max_len(side)
-
     def sides(self) -> tuple[str, ...]:
         if self.interaction == "cross_attention":
             return ("i", "qo", "p")
         return ("q", "p", "n") if self.sampler is not None and self.sampler.k else ("q", "p")
+
+    @property
+    def pad_id(self) -> int:
+        """The id padding takes: the store's, or the tokenizer's where each step is tokenized."""
+        return self.store.pad_id if self.store.exact else self._text().tokenizer.pad_id
 
     # --- which texts a step holds
     def _rows(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -231,11 +234,9 @@ class BatchBuilder:
         return self.texts
 
     def side_texts(self, step: int, local: bool = True) -> tuple[dict[str, list[str]], np.ndarray | None]:
-        """The encoder inputs of a step as texts: side -> texts in row order (this process's rows, or all
-        with local=False), plus the instruction groups of Interaction II (None under Interaction I).
+        """The encoder inputs of a step as texts: side -> texts in row order, and the groups of Interaction II.
 
-        Sides: "q" (template(I, Q)), "p" (passages), "n" (the K instruction negatives of each row,
-        row-major) under Interaction I; "i" (instructions), "qo" (queries) and "p" under Interaction II.
+        This process's rows, or all with local=False; the groups are None under Interaction I.
         """
         text = self._text()
         fmt, records = text.fmt, text.records
@@ -256,10 +257,12 @@ class BatchBuilder:
         return texts, None
 
     def data_cuts(self) -> dict[str, tuple[int, int]]:
-        """side -> (texts its max length cuts, texts) over the rows of every training record, each once: the
-        instruction-aware queries ("q"; Interaction II: "i" and "qo") and the passages ("p"), not the drawn
+        """side -> (texts its max length cuts, texts) over the rows of every training record, each once.
+
+        The instruction-aware queries ("q"; Interaction II: "i" and "qo") and the passages ("p"), not the drawn
         instruction negatives. Read off the store's uncut lengths: nothing is tokenized. A store whose queries
-        are not assembled from their fields' ids (`TokenStore.exact`) counts its passages only."""
+        are not assembled from their fields' ids (`TokenStore.exact`) counts its passages only.
+        """
         per = rows_per_record(self.hard_negatives)
         store_rows = np.repeat(np.asarray(self.store.kept, np.int64), per)
         kind = np.tile(np.arange(per), len(self.store.kept))
@@ -273,9 +276,18 @@ class BatchBuilder:
         return {side: (int(np.count_nonzero(v.cut)), len(v.cut)) for side, v in sides.items()}
 
     # --- the ids of a step's texts
-    def side_ids(self, step: int, local: bool = True, ids: bool = True) -> tuple[dict[str, Side], np.ndarray | None]:
-        """The encoder inputs of a step as ids: side -> `Side` (texts in `side_texts`' order), and the groups of
-        Interaction II. With ids=False, only the lengths (and what was cut): what measuring shapes needs."""
+    def side_ids(self, step: int, local: bool = True) -> tuple[dict[str, Side], np.ndarray | None]:
+        """The encoder inputs of a step as ids: side -> `Side` (texts in `side_texts`' order), and the groups.
+
+        The groups are Interaction II's (None under Interaction I)."""
+        return self._sides(step, local, ids=True)
+
+    def side_lengths(self, step: int, local: bool = True) -> dict[str, np.ndarray]:
+        """side -> the token count of each text of a step (in `side_texts`' order): what packing measures."""
+        return {side: v.lengths for side, v in self._sides(step, local, ids=False)[0].items()}
+
+    def _sides(self, step: int, local: bool, ids: bool) -> tuple[dict[str, Side], np.ndarray | None]:
+        """`side_ids`, or with ids=False only the lengths (and what was cut) of each side."""
         if not self.store.exact:
             return self._tokenized(step, local)
         record, kind, own = self._rows(step)
@@ -299,14 +311,13 @@ class BatchBuilder:
         return out, groups
 
     def _queries(self, i_rows, i_fields, q_rows, q_fields, ids: bool) -> Side:
-        """template(I, Q) of each (instruction piece, query piece): the constants and the two fields in the
-        template's order."""
+        """template(I, Q) of each (instruction piece, query piece): constants and fields in the template's order."""
         by_role = {"instruction": (i_rows, i_fields), "query": (q_rows, q_fields)}
         first, second = (by_role[name] for name in self.store.meta["query_order"])
         return assemble_texts(self.store, [first, second], ids=ids, constants=True)
 
     def _tokenized(self, step: int, local: bool) -> tuple[dict[str, Side], np.ndarray | None]:
-        """A step's ids the old way: its texts tokenized now (a store whose ids cannot be assembled)."""
+        """A step's ids by per-step tokenization: its texts tokenized now (a store whose ids cannot be assembled)."""
         texts, groups = self.side_texts(step, local)
         tokenizer = self._text().tokenizer
         out = {}
@@ -316,63 +327,109 @@ class BatchBuilder:
             out[side] = Side(np.concatenate(tokens).astype(np.int32) if tokens else np.zeros(0, np.int32), lengths)
         return out, groups
 
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How the texts of each side are packed (data.packing): the run's shapes, and where each packing applies.
+
+    Made once before the first step (`measure_shapes`); a step gets the shape it was measured in, or one fitted
+    when it is built (`BatchBuilder._fit`).
+    """
+
+    shapes: packing.Shapes          # row lengths, the sets of row counts, the shape of each measured step
+    shards: int = 1                 # batch shards of this process: each packs its own texts
+    chunks: dict[str, int] | None = None     # side -> gradient-caching chunks, each packed apart (None: off)
+    row_keys: dict[str, str] | None = None   # side -> the config key that sets its rows (named on an overflow)
+    fixed_sides: tuple[str, ...] = ()        # sides whose rows the config fixes (never fitted nor grown)
+
+    @property
+    def capacities(self) -> dict[str, packing.Capacity]:
+        """Each side's capacity in the widest shape, which holds every measured step."""
+        return self.shapes.capacities(self.shapes.largest)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchBuilder:
+    """A step -> this process's slice of the global batch, as numpy arrays: its texts, padded or packed."""
+
+    step_texts: StepTexts
+    packing: Packing | None = None  # None: padded batches
+    padding_side: str = "right"     # padded batches: where the pad ids go (decoders: left)
+
+    # --- what the loop reads of the texts
+    @property
+    def global_rows(self) -> int:
+        return self.step_texts.global_rows
+
+    def max_len(self, side: str) -> int:
+        return self.step_texts.max_len(side)
+
+    def data_cuts(self) -> dict[str, tuple[int, int]]:
+        return self.step_texts.data_cuts()
+
     # --- the batch
     def __call__(self, step: int) -> dict:
         return self.assemble(step)[0]
 
     def assemble(self, step: int) -> tuple[dict, dict]:
-        """(this process's batch of `step`, what the loop reports of it: {"texts": {side: n}, "cut": {side: n}
-        (texts longer than their max length; absent where not known), "grown": a note when the step needed a
-        shape the measurement did not give, else None})."""
-        sides, groups = self.side_ids(step)
+        """(this process's batch of `step`, what the loop reports of it).
+
+        The report: {"texts": {side: n}, "cut": {side: n} (texts longer than their max length; absent where not
+        known), "grown": a note when the step needed a shape the measurement did not give, else None}.
+        """
+        sides, groups = self.step_texts.side_ids(step)
         info = {"texts": {s: len(v.lengths) for s, v in sides.items()},
                 "cut": {s: int(v.cut.sum()) for s, v in sides.items() if v.cut is not None}, "grown": None}
-        if self.capacities is not None:
-            capacities = self.shapes.at(step) if self.shapes is not None else self.capacities
+        pad = self.step_texts.pad_id
+        batch = {}
+        if self.packing is not None:
+            capacities = self.packing.shapes.at(step)
             if capacities is None:               # a step the shapes were not measured over: fitted now
                 capacities, info["grown"] = self._fit(step, sides)
-            batch = {}
+            chunks = self.packing.chunks or {}
             for side, v in sides.items():
                 try:
-                    batch[side] = packing.pack_flat(v.flat, v.lengths, self.shards, capacities[side], self.store.pad_id
-                                                    if self.store.exact else self._text().tokenizer.pad_id,
-                                                    f"step {step}, side {side!r}", (self.chunks or {}).get(side))
+                    batch[side] = packing.pack_flat(v.flat, v.lengths, self.packing.shards, capacities[side], pad,
+                                                    f"step {step}, side {side!r}", chunks.get(side))
                 except packing.PackingOverflow as e:
-                    key = (self.capacity_keys or {}).get(side, "the packing capacity")
+                    key = (self.packing.row_keys or {}).get(side, "the packing capacity")
                     raise packing.PackingOverflow(f"{e}; raise {key} (0 = measured over the run)") from None
         else:
-            batch = {}
-            pad = self.store.pad_id if self.store.exact else self._text().tokenizer.pad_id
             for side, v in sides.items():
                 ids, mask = packing.pad_flat(v.flat, v.lengths, self.max_len(side), pad, self.padding_side == "left")
                 if side == "n":
-                    ids, mask = (x.reshape(len(sides["q"].lengths), self.sampler.k, -1) for x in (ids, mask))
+                    ids, mask = (x.reshape(len(sides["q"].lengths), self.step_texts.sampler.k, -1) for x in (ids, mask))
                 batch[f"{side}_ids"], batch[f"{side}_mask"] = ids, mask
         if groups is not None:
             batch["i_group"] = groups
         return batch, info
 
     def _fit(self, step: int, local: dict[str, Side]) -> tuple[dict[str, packing.Capacity], str | None]:
-        """The capacities of a step that was not measured, from the token counts of its whole global batch (every
-        process counts the same texts, so all choose alike), and a note when it needs more than the measured
-        shapes give (None otherwise). A pure function of the step and the measured shapes."""
-        if self.process_count == 1:
+        """The capacities of a step that was not measured, and a note when the measured shapes do not hold it.
+
+        Counted over the step's whole global batch (every process counts the same texts, so all choose alike);
+        a pure function of the step and the measured shapes. The note is None when a measured shape holds it.
+        """
+        texts, packed = self.step_texts, self.packing
+        if texts.process_count == 1:
             counts = {side: v.lengths for side, v in local.items()}
         else:
-            counts = {side: v.lengths for side, v in self.side_ids(step, local=False, ids=False)[0].items()}
-        counts = {side: c.tolist() for side, c in counts.items() if side not in (self.fixed_sides or ())}
-        shapes, capacities, note = self.shapes.fit(counts, self.shards * self.process_count, self.chunks)
+            counts = texts.side_lengths(step, local=False)
+        counts = {side: c.tolist() for side, c in counts.items() if side not in packed.fixed_sides}
+        shapes, capacities, note = packed.shapes.fit(counts, packed.shards * texts.process_count, packed.chunks)
         if note is not None:
-            note = (f"packing: step {step} does not fit the shapes measured over {len(self.shapes.measured())} "
+            note = (f"packing: step {step} does not fit the shapes measured over {len(packed.shapes.measured())} "
                     f"sampled steps: {note} (compiled once more)")
         return capacities, note
 
 
 def assemble_texts(store: TokenStore, pieces: list[tuple[np.ndarray, np.ndarray]], ids: bool = True,
                    constants: bool = False) -> Side:
-    """Texts made of store pieces: each text is the special tokens around the concatenation of its pieces
-    (`pieces`: one (clean records, fields) pair per piece, arrays of one length), with the template's constant
-    ids around and between them (`constants`: head, piece, middle, piece, tail), cut at its side's length."""
+    """Texts made of store pieces, as one array of all their ids and their lengths (ids=False: the lengths).
+
+    Each text is the special tokens around the concatenation of its pieces (`pieces`: one (clean records,
+    fields) pair per piece, arrays of one length), with the template's constant ids around and between them
+    (`constants`: head, piece, middle, piece, tail), cut at its side's length."""
     table = _constants_table(store) if constants else {}
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # (start, kept length, uncut length) per segment
     count = len(pieces[0][0])
@@ -437,8 +494,10 @@ def _constants_table(store: TokenStore) -> dict[str, tuple[int, int]]:
 
 
 def real_tokens(batch: dict) -> int:
-    """The real (not padding) tokens of a batch as `BatchBuilder` returns it, padded or packed: the non-zero
-    entries of its masks (0/1 when padded, segment ids when packed). Host numpy, no device involved."""
+    """The real (not padding) tokens of a batch as `BatchBuilder` returns it, padded or packed.
+
+    They are the non-zero entries of its masks (0/1 when padded, segment ids when packed). Host numpy, no
+    device involved."""
     total = 0
     for key, value in batch.items():
         if isinstance(value, dict):
@@ -455,66 +514,69 @@ MEASURED_STEPS = 512
 
 
 def sampled_steps(steps: range, most: int) -> np.ndarray:
-    """Every step of `steps` if there are at most `most`, else `most` of them spread evenly from the first to
-    the last (a pure function of the range, so every process measures the same steps)."""
+    """Every step of `steps` if there are at most `most`, else `most` of them spread evenly over the range.
+
+    From the first to the last, a pure function of the range: every process measures the same steps."""
     if len(steps) <= most:
         return np.array(steps, np.int64)
     return np.unique(np.asarray(steps, np.int64)[np.linspace(0, len(steps) - 1, most).round().astype(np.int64)])
 
 
-def measure_shapes(build: BatchBuilder, steps: range, shards: int, max_shapes: int = 1,
+def measure_shapes(texts: StepTexts, steps: range, shards: int, max_shapes: int = 1,
                    fixed_rows: dict[str, int] | None = None, min_gain: float = 0.0,
                    span: float = packing.ATTENTION_SPAN, multiple: int = packing.LENGTH_STEP,
-                   most: int | None = None) -> packing.Shapes:
-    """The packed shapes of the steps listed, measured over `sampled_steps` of them (at most `most`, default
-    MEASURED_STEPS): per side a
-    row length and up to `max_shapes` sets of row counts per batch shard (or per chunk of one under gradient
-    caching), each measured step in its cheapest set. A step not measured is fitted when it is built
-    (``packing.Shapes.fit``), growing the shapes if none holds it; when the steps are sampled, the set of the most
-    rows has one row more per measured side than the sample needs, so that few steps do.
+                   most: int | None = None, *, chunks: dict[str, int] | None = None,
+                   pack_lengths: dict[str, int] | None = None) -> packing.Shapes:
+    """The packed shapes of the steps listed, measured over `sampled_steps` of them.
 
-    The row length is the side's configured pack length, else the one of least cost over the first steps
-    (``packing.choose_length``: a multiple of 32 from the longest text of the side over the measured steps;
-    `span`: the attention cost model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of
-    for the platform's attention kernel). `fixed_rows` (side -> rows, from the config) are not
-    measured: those sides keep those rows in every shape. Every process measures the global batches, so all
-    agree on the shapes. The lengths come from the token store (no text is tokenized).
+    At most `most` steps are measured (default MEASURED_STEPS). Per side a row length and up to `max_shapes` sets of row
+    counts per batch shard (`shards` over all processes; or per chunk of one under gradient caching: `chunks`, side ->
+    chunks), each measured step in its cheapest set. A step not measured is fitted when it is built
+    (``packing.Shapes.fit``), growing the shapes if none holds it; when the steps are sampled, the set of the most rows
+    has one row more per measured side than the sample needs, so that few steps do.
+
+    The row length is the side's configured pack length (`pack_lengths`: "query" / "passage" -> tokens, 0 or
+    absent: not configured), else the one of least cost over the first steps (``packing.choose_length``: a
+    multiple of 32 from the longest text of the side over the measured steps; `span`: the attention cost
+    model, ``packing.row_cost``; `multiple`: what row lengths must be a multiple of for the platform's
+    attention kernel). `fixed_rows` (side -> rows, from the config) are not measured: those sides keep those
+    rows in every shape, at the configured pack length or their max length. Every process measures the global
+    batches, so all agree on the shapes. The lengths come from the token store (no text is tokenized).
     """
-    fixed_rows = fixed_rows or {}
+    fixed_rows, chunks, pack_lengths = fixed_rows or {}, chunks or {}, pack_lengths or {}
     measured = sampled_steps(steps, most or MEASURED_STEPS)
     log.info("packing: measuring the packed shapes over %d of the run's %d steps%s", len(measured), len(steps),
              " (the others are fitted as they are built)" if len(measured) < len(steps) else "")
-    per_step: dict[str, list[list[int]]] = {side: [] for side in build.sides()}
-    if not set(build.sides()) <= set(fixed_rows):          # else every side's rows are fixed: nothing to measure
+    per_step: dict[str, list[list[int]]] = {side: [] for side in texts.sides()}
+    if not set(texts.sides()) <= set(fixed_rows):          # else every side's rows are fixed: nothing to measure
         for step in measured.tolist():
-            sides, _ = build.side_ids(step, local=False, ids=False)
-            for side, v in sides.items():
+            for side, n in texts.side_lengths(step, local=False).items():
                 if side not in fixed_rows:
-                    per_step[side].append(v.lengths.tolist())
+                    per_step[side].append(n.tolist())
     sides = sorted(per_step)
-    lengths, needs, texts = {}, [], {}
+    lengths, needs, most_texts = {}, [], {}
     for side in sides:
-        chunks = (build.chunks or {}).get(side, 1)
-        configured = (build.pack_lengths or {}).get("passage" if side == "p" else "query")
+        configured = pack_lengths.get("passage" if side == "p" else "query")
         if side in fixed_rows:
-            lengths[side] = build.pack_length(side)
+            lengths[side] = configured or texts.max_len(side)
             needs.append(np.full(len(measured), fixed_rows[side]))     # (nothing measured: all steps alike)
             continue
-        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks, span, multiple)
-        fills = [packing.capacity_for([step], shards, lengths[side], chunks) for step in per_step[side]]
+        lengths[side] = configured or packing.choose_length(per_step[side], shards, chunks.get(side, 1), span,
+                                                            multiple)
+        fills = [packing.capacity_for([step], shards, lengths[side], chunks.get(side, 1)) for step in per_step[side]]
         needs.append(np.array([c.rows for c in fills]))
-        texts[side] = packing.segment_bound(max(c.texts for c in fills))
+        most_texts[side] = packing.segment_bound(max(c.texts for c in fills))
     needs = np.stack(needs, axis=1).reshape(len(measured), len(sides))
     costs = np.array([packing.row_cost(lengths[side], span) for side in sides])
     shapes, of_step = packing.choose_shapes(needs, costs, max_shapes, min_gain)
     most = needs.max(axis=0)
     if len(measured) < len(steps):        # a sample: the shape of the most rows gets a row more per measured side
         # (never more rows than a shard's texts), so that a step a little above the sample's most compiles no more
-        bound = [len(per_step[side][0]) // shards // (build.chunks or {}).get(side, 1) if side not in fixed_rows
+        bound = [len(per_step[side][0]) // shards // chunks.get(side, 1) if side not in fixed_rows
                  else fixed_rows[side] for side in sides]
         bump = np.minimum(most + np.array([side not in fixed_rows for side in sides]), bound) - most
         shapes = np.where(np.all(shapes == most, axis=1)[:, None], shapes + bump, shapes)
         most = most + bump
     as_dict = lambda row: {side: int(n) for side, n in zip(sides, row)}    # noqa: E731
-    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(most), texts,
+    return packing.Shapes(lengths, tuple(as_dict(r) for r in shapes), of_step, as_dict(most), most_texts,
                           measured, span, multiple)

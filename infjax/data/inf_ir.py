@@ -1,4 +1,4 @@
-"""Loading and cleaning of the InF-IR training corpus.
+"""Read: the InF-IR training corpus as memory-mapped Arrow files, its rows cleaned and checked as they are read.
 
 InF-IR (hub id ``InF-IR/InF-IR``; splits ``msmarco``, ``robust04``,
 ``leetcode``, ``metamath``) has one string field per role::
@@ -15,23 +15,33 @@ A *field map* maps each canonical name above to the column that holds it in a
 given source. Partial maps are completed from the default (identity) map, so
 ``{"query_positive": "q"}`` only renames one column.
 
-Cleaning follows the InF-Embed paper (appendix B.1): every instruction and
-query is cut at its first line break and stripped; passages are only stripped.
-A row with a missing field, a non-string value, or a value that is empty after
-cleaning (nothing visible: only whitespace, NUL and other control characters,
-zero-width spaces or byte-order marks), or a negative that says what its
-positive says (I- = I+, Q- = Q+, P1- or P2- = P+, as `normal_text` compares
-them, or the same token ids for the model's tokenizer when it is given) is a
-*bad row*. By default a bad row stops loading with a
-:class:`BadRowError` naming the split, the row index and the field; with
-``on_bad_row="skip"`` bad rows are dropped, counted and reported in a warning.
-Bad rows are never dropped silently.
+`open_split` opens a split (a local file, a folder, or a hub id) without
+reading its rows: local files become Arrow files once, memory-mapped.
+`SplitOpener` opens the splits of a run again in any process (it pickles as
+names, not rows); `SourceRecords` reads the clean records back by row. The
+rows are read, cleaned and checked once, by the token store's pass
+(data/token_store.py), which training reads through.
+
+Cleaning follows the InF-Embed paper (appendix B.1, `clean_record`): every
+instruction and query is cut at its first line break and stripped; passages
+are only stripped. A row with a missing field, a non-string value, or a value
+that is empty after cleaning (nothing visible: only whitespace, NUL and other
+control characters, zero-width spaces or byte-order marks), or a negative that
+says what its positive says (I- = I+, Q- = Q+, P1- or P2- = P+, as
+`normal_text` compares them) is a *bad row*; so is a negative with its
+positive's token ids (checked where the texts are tokenized,
+data/token_store.py). A bad row stops the run with a :class:`BadRowError`
+naming the split, the row index and the field; with ``on_bad_row="skip"`` bad
+rows are dropped, counted and reported in one warning per split
+(`skipped_warning`), and a split with no row left is refused
+(`no_usable_rows`). Bad rows are never dropped silently.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import glob
 import json
@@ -65,10 +75,9 @@ __all__ = [
     "clean_text",
     "clean_passage",
     "clean_record",
-    "clean_records",
-    "load_inf_ir",
-    "flatten_record",
-    "flatten_record_no_hard_negatives",
+    "open_split",
+    "SplitOpener",
+    "SourceRecords",
 ]
 
 #: Canonical field names, in the order of the corpus card.
@@ -95,6 +104,9 @@ DEFAULT_FIELD_MAP: dict[str, str] = {name: name for name in FIELDS}
 
 #: Map for older copies of the corpus, where P+ is stored as ``document``.
 LEGACY_FIELD_MAP: dict[str, str] = {**DEFAULT_FIELD_MAP, "document_positive": "document"}
+
+#: The field maps `config.data.field_map` names (auto: the default or the legacy map, from a source's columns).
+FIELD_MAPS: dict[str, dict[str, str] | None] = {"auto": None, "default": DEFAULT_FIELD_MAP, "legacy": LEGACY_FIELD_MAP}
 
 #: Allowed values of ``on_bad_row``.
 ON_BAD_ROW_CHOICES: tuple[str, ...] = ("error", "skip")
@@ -247,15 +259,18 @@ def clean_passage(value: str) -> str:
 
 
 def visible(text: str) -> bool:
-    """Whether `text` has a character a reader sees: not only whitespace, control characters (NUL) and
-    format characters (zero-width spaces and joiners, byte-order marks, soft hyphens)."""
+    """Whether `text` has a character a reader sees.
+
+    Not only whitespace, control characters (NUL) and format characters (zero-width spaces and joiners,
+    byte-order marks, soft hyphens)."""
     return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
 @functools.cache
 def _invisible_table() -> dict[int, None]:
-    """A `str.translate` table deleting the control and format characters that are not whitespace (NUL,
-    zero-width spaces and joiners, byte-order marks, soft hyphens, ...): built once, on first use."""
+    """A `str.translate` table deleting the control and format characters that are not whitespace.
+
+    NUL, zero-width spaces and joiners, byte-order marks, soft hyphens, ...: built once, on first use."""
     return {c: None for c in range(sys.maxunicode + 1)
             if unicodedata.category(chr(c)) in ("Cc", "Cf") and not chr(c).isspace()}
 
@@ -268,42 +283,17 @@ def without_invisible(text: str) -> str:
 
 
 def normal_text(text: str) -> str:
-    """`text` as compared for sameness: lower case, runs of whitespace as one space, no final periods, no
-    invisible characters. Two texts that differ only there say the same thing (a negative that says what its
-    positive says is no negative); a reader, and most tokenizers, cannot tell them apart."""
+    """`text` as compared for sameness: lower case, one space for each run of whitespace, no final periods.
+
+    Invisible characters are dropped too. Two texts that differ only there say the same thing (a negative that says
+    what its positive says is no negative); a reader, and most tokenizers, cannot tell them apart."""
     return " ".join(without_invisible(text).lower().split()).rstrip(". ")
 
 
-_NOT_LETTER_OR_DIGIT = re.compile(r"[\W_]+")
-_ASCII_NOT_LETTER_OR_DIGIT = bytes(c for c in range(128) if not chr(c).isalnum())
-
-
-def letters_and_digits(text: str) -> bytes:
-    """The letters and digits of `text`, case-folded, accents taken off: a cheap key that two texts a
-    tokenizer reads as the same token ids share (case, accents, spacing, punctuation and invisible characters
-    are all a tokenizer may ignore), so that only texts with equal keys need tokenizing to compare them. The
-    one miss: distinct unknown words that a vocabulary maps to the same unknown token."""
-    if text.isascii():
-        return text.encode().lower().translate(None, _ASCII_NOT_LETTER_OR_DIGIT)
-    return _NOT_LETTER_OR_DIGIT.sub("", unicodedata.normalize("NFKD", text.casefold())).encode()
-
-
-#: What reads texts as a model does: texts -> one key per text, equal for texts whose token ids are equal
-#: (`infjax.data.tokenize.Tokenizer.token_keys`).
-TokenKeys = Callable[[list[str]], list[bytes]]
-
-
-def same_tokens(a: str, b: str, token_keys: TokenKeys | None) -> bool:
-    """Whether the model's tokenizer (`token_keys`) reads `a` and `b` as the same token ids; False without one."""
-    if token_keys is None or letters_and_digits(a) != letters_and_digits(b):
-        return False
-    key_a, key_b = token_keys([a, b])
-    return key_a == key_b
-
-
 def _invisible_difference(a: str, b: str) -> str:
-    """What a message adds where two texts that `normal_text` finds the same hold invisible characters: that
-    they differ only in those (a reader sees no difference at all, or only one of case, spacing or final
+    """What a bad row's message adds where two texts that `normal_text` finds the same hold invisible characters.
+
+    That they differ only in those (a reader sees no difference at all, or only one of case, spacing or final
     periods), or that they are the very same text, those characters included (named, as U+XXXX)."""
     seen_a, seen_b = without_invisible(a), without_invisible(b)
     if (seen_a, seen_b) == (a, b):
@@ -345,9 +335,11 @@ def clean_record(
     field_map: Mapping[str, str] | None,
     split: str,
     row: int,
-    token_keys: TokenKeys | None = None,
 ) -> dict[str, str]:
-    """Clean one raw row into a record keyed by the canonical field names.
+    """Clean one raw row into a record keyed by the canonical field names: the rules of a bad row, but one.
+
+    The one left is a negative with its positive's token ids, which needs the tokenizer: it is checked
+    where the texts are tokenized (`token_store`).
 
     Args:
         raw: the source row (column name -> value).
@@ -355,8 +347,6 @@ def clean_record(
             default or legacy map from the row's own keys.
         split: split name, for error messages.
         row: row index, for error messages.
-        token_keys: the model's tokenizer (`TokenKeys`), when known: a negative
-            it reads as the same token ids as its positive is a bad row too.
 
     Returns:
         A dict with exactly the keys of :data:`FIELDS`, in that order.
@@ -386,17 +376,7 @@ def clean_record(
             hidden = _invisible_difference(record[negative], record[positive])
             raise BadRowError(split, row, negative, f"the same text as {positive} (a negative must differ from "
                               f"its positive{hidden})", resolved[negative])
-        if same_tokens(record[negative], record[positive], token_keys):
-            raise BadRowError(split, row, negative, f"the same token ids as {positive} for the model's tokenizer, "
-                              f"which reads the two texts alike (they differ only in what it ignores: case, "
-                              f"accents, spacing or invisible characters); a negative must differ from its "
-                              f"positive", resolved[negative])
     return record
-
-
-def _check_on_bad_row(on_bad_row: str) -> None:
-    if on_bad_row not in ON_BAD_ROW_CHOICES:
-        raise ValueError(f"on_bad_row must be one of {list(ON_BAD_ROW_CHOICES)}, got {on_bad_row!r}")
 
 
 def skipped_warning(split: str, bad: list[BadRowError]) -> str:
@@ -406,59 +386,11 @@ def skipped_warning(split: str, bad: list[BadRowError]) -> str:
     return f"InF-IR split {split!r}: skipped {len(bad)} bad row(s): {shown}{more}"
 
 
-def _warn_skipped(split: str, bad: list[BadRowError]) -> None:
-    """Log one warning summarising the skipped rows of ``split``."""
-    logger.warning("%s", skipped_warning(split, bad))
-
-
-def clean_records(
-    rows: Iterable[Mapping[str, Any]],
-    *,
-    split: str,
-    field_map: Mapping[str, str] | None = None,
-    on_bad_row: str = "error",
-    token_keys: TokenKeys | None = None,
-) -> tuple[list[dict[str, str]], int]:
-    """Clean a sequence of raw rows (``token_keys``: see :func:`clean_record`).
-
-    Args:
-        rows: raw rows; row indices in messages are positions in this iterable.
-        split: split name, for error messages.
-        field_map: full or partial canonical -> column map; ``None`` resolves
-            the map once from the first row's keys.
-        on_bad_row: ``"error"`` raises :class:`BadRowError` on the first bad
-            row; ``"skip"`` drops bad rows and logs a warning with their count
-            and the first few offending (row, field) pairs.
-
-    Returns:
-        ``(records, n_skipped)``; records keep the order of ``rows``.
-
-    Raises:
-        ValueError: if ``on_bad_row`` is not one of :data:`ON_BAD_ROW_CHOICES`.
-        BadRowError: on a bad row when ``on_bad_row="error"``.
-    """
-    _check_on_bad_row(on_bad_row)
-    if field_map is not None:
-        _check_field_map(field_map)
-    resolved: dict[str, str] | None = None
-    records: list[dict[str, str]] = []
-    bad: list[BadRowError] = []
-    for index, raw in enumerate(rows):
-        if resolved is None:
-            resolved = resolve_field_map(field_map, list(raw.keys()))
-        try:
-            records.append(clean_record(raw, field_map=resolved, split=split, row=index, token_keys=token_keys))
-        except BadRowError as error:
-            if on_bad_row == "error":
-                raise
-            bad.append(error)
-    if bad and not records:
-        reasons = collections.Counter(f"{e.field!r}: {e.reason}" for e in bad)
-        raise DataFileError(f"InF-IR split {split!r}: no usable rows: all {len(bad)} were skipped as bad "
-                            f"(on_bad_row=skip); per reason: {dict(reasons.most_common())}")
-    if bad:
-        _warn_skipped(split, bad)
-    return records, len(bad)
+def no_usable_rows(split: str, bad: list[BadRowError]) -> DataFileError:
+    """The error of a split whose every row was skipped as bad, with the count of each reason."""
+    reasons = collections.Counter(f"{e.field!r}: {e.reason}" for e in bad)
+    return DataFileError(f"InF-IR split {split!r}: no usable rows: all {len(bad)} were skipped as bad "
+                         f"(on_bad_row=skip); per reason: {dict(reasons.most_common())}")
 
 
 # ---------------------------------------------------------------------------
@@ -531,11 +463,12 @@ def _looks_like_path(source: str) -> bool:
 
 
 def _load_local(files: list[str], split: str, arrow_dir: str | None = None):
-    """Load local data files into a ``datasets.Dataset``: in memory (`arrow_dir` None), or as Arrow files
-    written once into `arrow_dir` and memory-mapped (every process of a host then shares one copy through the
-    page cache). `arrow_dir` must be named by the files' content (`token_store.file_digest`): a throw-away
-    cache directory, or one per content, guarantees that a file rewritten in place is re-read rather than
-    served from a stale cache.
+    """Load local data files into a ``datasets.Dataset``: in memory, or as Arrow files memory-mapped.
+
+    With `arrow_dir` the Arrow files are written once into it and memory-mapped (every process of a host then
+    shares one copy through the page cache); None keeps the rows in memory. `arrow_dir` must be named by the
+    files' content (`token_store.identify`): a throw-away cache directory, or one per content, guarantees that
+    a file rewritten in place is read again rather than served from a stale cache.
     """
     import datasets
 
@@ -596,8 +529,9 @@ def _parquet_rows(path: str) -> int | None:
 
 @contextlib.contextmanager
 def _quiet_datasets():
-    """No progress bar or error log lines from `datasets` while it reads a local file (a failure is
-    reported once, by the caller, naming the file and line)."""
+    """No progress bar or error log lines from `datasets` while it reads a local file.
+
+    A failure is reported once, by the caller, naming the file and line."""
     import datasets
     from datasets.utils import logging as ds_logging
 
@@ -656,8 +590,9 @@ def _load_hub(source: str, split: str):
 
 
 def local_files(source: str, split: str) -> list[str] | None:
-    """The local files that hold ``split`` of ``source`` (a file, or a folder's files for the split), or None
-    for a hub id; FileNotFoundError for a path that does not exist."""
+    """The local files that hold ``split`` of ``source`` (a file, or a folder's files for the split).
+
+    None for a hub id; FileNotFoundError for a path that does not exist."""
     path = os.path.expanduser(source)
     if os.path.isfile(path):
         return [path]
@@ -678,11 +613,18 @@ def _open_source(source: str, split: str, arrow_dir: str | None = None):
 
 def open_split(source: str, split: str, *, field_map: Mapping[str, str] | None = None, limit: int | None = None,
                arrow_dir: str | None = None):
-    """One split as rows not read yet: (``datasets.Dataset``, the resolved field map). Local files become Arrow
-    files in `arrow_dir` (see `_load_local`), memory-mapped; a missing column is refused before any row is read.
-    Rows are cleaned as they are read (`clean_record`)."""
+    """One split as rows not read yet: (``datasets.Dataset``, the resolved field map).
+
+    `source`: a local ``.parquet`` / ``.jsonl`` / ``.json`` file (`split` is then only a label for
+    messages); a local folder (``<folder>/data/<split>-*.parquet``, the hub layout, else the files of the
+    folder whose name starts with `split`); otherwise a hub dataset id such as ``"InF-IR/InF-IR"``. Local
+    files become Arrow files in `arrow_dir` (see `_load_local`), memory-mapped; a missing column is refused
+    before any row is read; `limit` keeps the first rows. Rows are cleaned when they are read (`clean_record`).
+    """
     if field_map is not None:
         _check_field_map(field_map)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
     started = time.perf_counter()
     logger.info("reading the training data %s (split %s)", source, split)
     dataset = _open_source(os.fspath(source), split, arrow_dir)
@@ -704,81 +646,50 @@ def _check_columns(field_map: Mapping[str, str], columns: Sequence[str], split: 
             raise MissingColumnError(split, field, field_map[field], columns)
 
 
-def _iter_rows(dataset, columns: Sequence[str], batch_size: int = 1024):
-    """Yield rows of ``dataset`` restricted to ``columns``, batch by batch."""
-    subset = dataset.select_columns(list(columns))
-    for batch in subset.iter(batch_size=batch_size):
-        values = [batch[column] for column in columns]
-        for row_values in zip(*values):
-            yield dict(zip(columns, row_values))
+def hub_fingerprint(source: str, split: str) -> str:
+    """The fingerprint `datasets` gives a hub split: its own cache's identity of the content.
+
+    The one use of datasets' private API (`Dataset._fingerprint`), for the token cache's key."""
+    dataset, _ = open_split(source, split)
+    return dataset._fingerprint  # noqa: SLF001
 
 
-def load_inf_ir(
-    source: str,
-    split: str,
-    *,
-    field_map: Mapping[str, str] | None = None,
-    on_bad_row: str = "error",
-    limit: int | None = None,
-    token_keys: TokenKeys | None = None,
-) -> list[dict[str, str]]:
-    """Load and clean one split of InF-IR.
+@dataclasses.dataclass(frozen=True)
+class SplitOpener:
+    """Opens the splits of a run as memory-mapped datasets: [(split, dataset, resolved field map)].
 
-    Args:
-        source: one of
-            * a local ``.parquet`` / ``.jsonl`` / ``.json`` file (``split`` is
-              then only a label for messages);
-            * a local folder: ``<folder>/data/<split>-*.parquet`` (hub layout)
-              if present, else the files in the folder whose name starts with
-              ``split``;
-            * otherwise a hub dataset id such as ``"InF-IR/InF-IR"``, loaded
-              with ``datasets.load_dataset(source, split=split)``.
-        split: split name, e.g. ``"msmarco"``.
-        field_map: full or partial canonical -> column map; ``None`` picks the
-            default or legacy (``document``) map from the source's columns.
-        on_bad_row: ``"error"`` (default) or ``"skip"``; see :func:`clean_records`.
-        limit: if given, only the first ``limit`` rows are cleaned.
-        token_keys: the model's tokenizer (see :func:`clean_record`).
+    Picklable by its names: a process that needs the texts (a worker, `SourceRecords`) opens them again
+    from the Arrow files instead of receiving rows."""
 
-    Returns:
-        Cleaned records (dicts keyed by :data:`FIELDS`), in source order.
+    source: str
+    splits: tuple[str, ...]
+    field_map: str                          # a name of FIELD_MAPS (config.data.field_map)
+    limit: int                              # the first rows of each split (0: all)
+    arrow_dirs: tuple[str | None, ...]      # per split: where its local files become Arrow files (None: hub)
 
-    Raises:
-        FileNotFoundError: missing local path, folder without files for the
-            split, or a hub id that cannot be loaded.
-        MissingColumnError: the source lacks a mapped column (checked before
-            any row is read).
-        BadRowError: a bad row while ``on_bad_row="error"``.
-        ValueError: bad ``on_bad_row``, ``limit`` or ``field_map``.
-    """
-    _check_on_bad_row(on_bad_row)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
-    if field_map is not None:
-        _check_field_map(field_map)
-    source = os.fspath(source)
+    def __call__(self) -> list:
+        out = []
+        for split, arrow_dir in zip(self.splits, self.arrow_dirs):
+            dataset, resolved = open_split(self.source, split, field_map=FIELD_MAPS[self.field_map],
+                                           limit=self.limit or None, arrow_dir=arrow_dir)
+            out.append((split, dataset, resolved))
+        return out
 
-    started = time.perf_counter()
-    logger.info("reading the training data %s (split %s)", source, split)
-    dataset = _open_source(source, split)
-    columns = list(dataset.column_names)
-    resolved = resolve_field_map(field_map, columns)
-    _check_columns(resolved, columns, split)
-    if limit is not None and limit < len(dataset):
-        dataset = dataset.select(range(limit))
 
-    needed = list(dict.fromkeys(resolved[field] for field in FIELDS))
-    records, _ = clean_records(
-        _iter_rows(dataset, needed), split=split, field_map=resolved, on_bad_row=on_bad_row, token_keys=token_keys
-    )
-    logger.info("%d records of %s (split %s) read and checked in %.1f s", len(records), source, split,
-                time.perf_counter() - started)
-    return records
+@dataclasses.dataclass(frozen=True)
+class InMemorySplit:
+    """In-memory records (the synthetic corpus, benchmarks, tests) as the one split `SourceRecords` reads."""
+
+    records: list[dict]
+
+    def __call__(self) -> list:
+        return [("records", self.records, dict(DEFAULT_FIELD_MAP))]
 
 
 class SourceRecords(Sequence):
-    """Clean records read when asked for: record i is source row `rows[i]` of the splits one after another
-    (`open_splits()` gives [(split, dataset, resolved field map)], called once, on the first read)."""
+    """Clean records read when asked for: record i is source row `rows[i]` of the splits one after another.
+
+    `open_splits()` gives [(split, dataset, resolved field map)]; it is called once, on the first read."""
 
     def __init__(self, open_splits: Callable[[], list], rows: Sequence[int]):
         self._open, self._splits, self.rows = open_splits, None, rows
@@ -801,25 +712,3 @@ class SourceRecords(Sequence):
 
     def __getstate__(self):
         return {"_open": self._open, "_splits": None, "rows": self.rows}
-
-
-# ---------------------------------------------------------------------------
-# Training rows
-# ---------------------------------------------------------------------------
-
-
-def flatten_record(record: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    """The three (instruction, query, passage) training rows of a record.
-
-    In order: ``(I+, Q+, P+)``, ``(I-, Q+, P1-)``, ``(I+, Q-, P2-)``.
-    """
-    return [
-        (record["instruction_positive"], record["query_positive"], record["document_positive"]),
-        (record["instruction_negative"], record["query_positive"], record["hard_negative_document_1"]),
-        (record["instruction_positive"], record["query_negative"], record["hard_negative_document_2"]),
-    ]
-
-
-def flatten_record_no_hard_negatives(record: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    """Only the positive training row ``(I+, Q+, P+)`` of a record."""
-    return [(record["instruction_positive"], record["query_positive"], record["document_positive"])]

@@ -1,4 +1,4 @@
-"""Sequence packing: texts of one encoder input, without padding, in fixed-shape rows.
+"""Pack: the texts of one encoder input, without padding, in fixed-shape rows with segment ids.
 
 Each batch shard (one device's slice of the batch) packs its own texts into
 ``rows`` rows of ``length`` tokens, first-fit by decreasing length. The packed
@@ -57,15 +57,17 @@ class Capacity:
         return self.rows * self.length
 
     def segment_slots(self, count: int) -> int:
-        """M, the `segments` width of a shard packing `count` texts: `texts`, else `segment_bound` of the most
-        that could share a row."""
+        """M, the `segments` width of a shard packing `count` texts.
+
+        `texts`, else `segment_bound` of the most that could share a row."""
         return self.texts if self.texts is not None else segment_bound(min(count, self.length))
 
 
 def segment_bound(most: int) -> int:
-    """The static bound M for rows holding at most `most` texts: the next power of two, at least 2 (so that
-    a handful of measured values give few distinct compiled shapes; 2, because JAX passes cuDNN the text
-    offsets only when a row may hold more than one)."""
+    """The static bound M for rows holding at most `most` texts: the next power of two, at least 2.
+
+    A power of two, so that a handful of measured values give few distinct compiled shapes; at least 2,
+    because JAX passes cuDNN the text offsets only when a row may hold more than one."""
     m = 2
     while m < most:
         m *= 2
@@ -74,6 +76,7 @@ def segment_bound(most: int) -> int:
 
 def place(lengths: Sequence[int], length: int, max_texts: int | None = None) -> tuple[list[int], int]:
     """First-fit by decreasing length (ties: lower index first): the row of each text and the number of rows.
+
     A text goes into the first row (in the order rows were opened) with room for it and fewer than `max_texts`
     texts (None: no limit); a row that can take no more (full, or less room than the shortest text) is no
     longer searched."""
@@ -106,42 +109,25 @@ def place(lengths: Sequence[int], length: int, max_texts: int | None = None) -> 
     return row_of, len(free)
 
 
-def first_fit(lengths: Sequence[int], length: int, max_texts: int | None = None) -> list[list[int]]:
-    """Rows of text indices, first-fit by decreasing length (`place`), each row in placement order; each row sums
-    to <= length and holds at most `max_texts` texts (None: no limit)."""
-    row_of, count = place(lengths, length, max_texts)
-    rows: list[list[int]] = [[] for _ in range(count)]
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        rows[row_of[i]].append(i)
-    return rows
-
-
-def rows_needed(lengths: Sequence[int], length: int) -> int:
-    return place(lengths, length)[1]
-
-
 def groups(count: int, shards: int, chunks: int = 1) -> list[list[range]]:
-    """Text indices packed together: [shard][chunk] -> range. Shard s holds texts s*n .. (s+1)*n - 1
-    (n = count / shards); its chunk c the texts s*n + c, s*n + c + chunks, ... (strided)."""
+    """Text indices packed together: [shard][chunk] -> range.
+
+    Shard s holds texts s*n .. (s+1)*n - 1 (n = count / shards); its chunk c the texts s*n + c,
+    s*n + c + chunks, ... (strided)."""
     if count % (shards * chunks):
         raise ValueError(f"{count} texts do not split into {shards} batch shards x {chunks} chunks")
     n = count // shards
     return [[range(s * n + c, (s + 1) * n, chunks) for c in range(chunks)] for s in range(shards)]
 
 
-def pack(tokens: Sequence[np.ndarray], shards: int, capacity: Capacity, pad_id: int, what: str = "texts",
-         chunks: int | None = None) -> dict:
-    """Texts (token arrays, already cut to their max length) in row order -> packed arrays [S, ...]; with
-    `chunks` (gradient caching), [S, C, ...] (see the module doc)."""
-    lengths = np.fromiter((len(t) for t in tokens), np.int64, len(tokens))
-    flat = np.concatenate(tokens).astype(np.int32) if len(tokens) else np.zeros(0, np.int32)
-    return pack_flat(flat, lengths, shards, capacity, pad_id, what, chunks)
-
-
 def pack_flat(flat: np.ndarray, lengths: np.ndarray, shards: int, capacity: Capacity, pad_id: int,
               what: str = "texts", chunks: int | None = None) -> dict:
-    """`pack` of texts given as one array of all their ids (`flat`, text after text in row order) and their
-    `lengths`: the placement is decided per shard (and chunk) in Python, every array is written at once."""
+    """Texts in row order -> packed arrays [S, ...] (with `chunks`, gradient caching: [S, C, ...]; module doc).
+
+    The texts are given as one array of all their ids (`flat`, text after text, each already cut to its max
+    length) and their `lengths`. The placement (`place`) is decided per shard (and chunk) in Python, every
+    array is written at once. A shard whose texts need more rows than `capacity` raises PackingOverflow,
+    naming `what`."""
     count = len(lengths)
     c = chunks or 1
     if count % (shards * c):
@@ -200,8 +186,9 @@ def pack_flat(flat: np.ndarray, lengths: np.ndarray, shards: int, capacity: Capa
 
 def pad_flat(flat: np.ndarray, lengths: np.ndarray, max_len: int, pad_id: int, left: bool = False
              ) -> tuple[np.ndarray, np.ndarray]:
-    """Texts given as `pack_flat` takes them -> ids and a 0/1 mask [T, max_len], each text on its own row,
-    padded on the right (or on the `left`: decoders read the last token)."""
+    """Texts given as `pack_flat` takes them -> ids and a 0/1 mask [T, max_len], each text on its own row.
+
+    Padded on the right, or on the `left` (decoders read the last token)."""
     lengths = np.asarray(lengths, np.int64)
     ids = np.full((len(lengths), max_len), pad_id, np.int32)
     mask = np.zeros((len(lengths), max_len), np.int32)
@@ -214,8 +201,10 @@ def pad_flat(flat: np.ndarray, lengths: np.ndarray, max_len: int, pad_id: int, l
 
 
 def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length: int, chunks: int = 1) -> Capacity:
-    """The smallest capacity that holds every batch listed (texts in row order, split over `shards` and
-    each shard's texts over `chunks`), its `texts` the most that any of their rows holds (`segment_bound`)."""
+    """The smallest capacity that holds every batch listed, and the most texts any of its rows holds.
+
+    Each batch is its texts' lengths in row order, split over `shards` and each shard's texts over `chunks`;
+    `texts` is `segment_bound` of the most texts a row holds."""
     rows, most = 1, 1
     for lengths in lengths_per_batch:
         for shard in groups(len(lengths), shards, chunks):
@@ -233,8 +222,9 @@ def capacity_for(lengths_per_batch: Sequence[Sequence[int]], shards: int, length
 # Cost model of a packed row: every token pays the dense layers once and, where attention computes the
 # whole row, attends over the whole row, so a row of L tokens costs L * (1 + L / span) token-units. The span
 # is the row length at which attention would cost as much as the dense layers: its FLOPs alone put it at
-# 2H + I tokens (2304 for MiniLM, 4608 for BERT-base), and on CPU whole-row attention runs at about half the
-# dense layers' speed. Attention that computes only each text's own keys (the CPU kernel,
+# 2H + I tokens (2304 for MiniLM, 4608 for BERT-base), and on CPU whole-row attention ran at about half the
+# dense layers' speed when this model was set (2026-11-24, commit ecdec1c; its timings are not in the
+# repository). Attention that computes only each text's own keys (the CPU kernel,
 # models/attention.costs_per_text) costs a text the same in any row: its span is infinite, a row costs its
 # length, and the longest rows that waste the least padding win.
 ATTENTION_SPAN = 1024
@@ -249,9 +239,11 @@ def row_cost(length: int, span: float = ATTENTION_SPAN) -> float:
 
 
 def candidate_lengths(longest: int, multiple: int = LENGTH_STEP) -> list[int]:
-    """Row lengths worth trying for texts of at most `longest` tokens: multiples of LENGTH_STEP (or of
-    `multiple`, a multiple of it: what the platform's attention kernel needs, e.g. 128 for TPU splash) from
-    `longest` up to twice that (at least 128), those of 512 or more multiples of BLOCKWISE_LENGTH."""
+    """Row lengths worth trying for texts of at most `longest` tokens.
+
+    Multiples of LENGTH_STEP (or of `multiple`, a multiple of it: what the platform's attention kernel needs,
+    e.g. 128 for TPU splash) from `longest` up to twice that (at least 128), those of 512 or more multiples of
+    BLOCKWISE_LENGTH."""
     step = max(LENGTH_STEP, multiple)
     low = -(-longest // step) * step
     return [n for n in range(low, max(2 * low, 128) + 1, step) if n < 512 or n % BLOCKWISE_LENGTH == 0]
@@ -259,9 +251,11 @@ def candidate_lengths(longest: int, multiple: int = LENGTH_STEP) -> list[int]:
 
 def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunks: int = 1,
                   span: float = ATTENTION_SPAN, multiple: int = LENGTH_STEP) -> int:
-    """The row length of least mean cost (rows a batch needs x row_cost(length, span)) over the batches given
-    (at most SAMPLE_STEPS of them), among `candidate_lengths` of the longest text of all of them. A longer row
-    holds more texts, so less of it is padding, but (finite span) each of its tokens attends over more of it."""
+    """The row length of least mean cost over the batches given (at most SAMPLE_STEPS of them).
+
+    The cost of a batch is the rows it needs x row_cost(length, span); the lengths tried are the
+    `candidate_lengths` of the longest text of all of them. A longer row holds more texts, so less of it is
+    padding, but (finite span) each of its tokens attends over more of it."""
     longest = max(max(lengths) for lengths in lengths_per_batch)
     sample = lengths_per_batch[:SAMPLE_STEPS]
     costs = {n: np.mean([capacity_for([lengths], shards, n, chunks).rows for lengths in sample]) * row_cost(n, span)
@@ -271,9 +265,11 @@ def choose_length(lengths_per_batch: Sequence[Sequence[int]], shards: int, chunk
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-    """The packed shapes of a run: per side a row length, a few row counts per side (each set of counts is
-    one shape, i.e. one compiled train step), the steps they were measured over (`steps`, ascending) and the
-    shape each of those uses (`of_step`, its index into `rows`). `largest` holds every measured step.
+    """The packed shapes of a run: per side a row length, and a few sets of row counts (one compiled step each).
+
+    Each set of counts is one shape, i.e. one compiled train step; `steps` are the steps they were measured
+    over (ascending) and `of_step` the shape each of those uses (its index into `rows`). `largest` holds every
+    measured step.
 
     A step that was not measured is fitted when it is built (`fit`): its rows per side counted at the row
     lengths and at most `texts` texts a row, then the cheapest shape that holds it; one that no shape holds
@@ -312,12 +308,13 @@ class Shapes:
 
     def fit(self, lengths: dict[str, Sequence[int]], shards: int, chunks: dict[str, int] | None = None
             ) -> tuple[Shapes, dict[str, Capacity], str | None]:
-        """The shape of a batch whose texts (per side, their token counts in row order over all processes)
-        were not measured: (shapes, capacities, note). Sides missing from `lengths` keep their rows (fixed by
-        the config). A side's text longer than its row length lengthens that side's rows (to the least
-        candidate length that holds it), every shape then compiling anew; rows beyond every shape add a
-        shape that holds them and every earlier one. `note` says what grew (None: nothing did); the shapes
-        returned replace these, and no step is measured any more where a row length grew."""
+        """The shape of a batch that was not measured: (shapes, capacities, note).
+
+        `lengths`: per side, the token counts of its texts in row order over all processes. Sides missing from
+        `lengths` keep their rows (fixed by the config). A side's text longer than its row length lengthens that
+        side's rows (to the least candidate length that holds it), every shape then compiling anew; rows beyond every
+        shape add a shape that holds them and every earlier one. `note` says what grew (None: nothing did); the
+        shapes returned replace these, and no step is measured any more where a row length grew."""
         grown_lengths = dict(self.lengths)
         for side, counts in lengths.items():
             longest = max(counts, default=0)
@@ -408,9 +405,11 @@ def best_fit_rows(lengths: Sequence[int], widths: Sequence[int]) -> list[tuple[i
 
 def pack_rows(tokens: Sequence[np.ndarray], rows: Sequence[Sequence[int]], shards: int, width: int, texts: int,
               pad_id: int, segments: int | None = None) -> tuple[dict, np.ndarray]:
-    """Given rows (text indices into `tokens`; len(rows) a multiple of `shards`), the packed arrays [S, ...]
-    with `texts` slots per shard and `segments` (M; None: `segment_bound` of the fullest row) per row, and
-    owners [S, texts]: the text index in each slot (-1: unused slot)."""
+    """Given rows (text indices into `tokens`), the packed arrays [S, ...] and the text in each slot.
+
+    len(rows) is a multiple of `shards`; each shard has `texts` slots and each row `segments` (M; None:
+    `segment_bound` of the fullest row). Returns (arrays, owners [S, texts]: the text index in each slot, -1
+    where unused)."""
     per_shard = len(rows) // shards
     most = max((len(r) for r in rows), default=1)
     segments = segments or segment_bound(most)

@@ -15,9 +15,10 @@ background thread of this process, enough where a step costs the host little
 as build a step every `THREAD_MS` (at most the cores less one), or the thread
 where that is fewer than two. `data.prefetch` steps are built ahead at most
 (their arrays held in memory). A worker's arrays come back pickled through
-grain's queue rather than in shared memory: on this project's 2-core
-benchmark machine that waited less (a batch is a few MB), and a segment
-queued as the stream closes cannot outlive it.
+grain's queue rather than in shared memory: a batch is a few MB, and on
+this project's 2-core benchmark machine that waited less (2026-11-28, when
+the pipeline was written, commit 1677518; its timings are not in the
+repository); a segment queued as the stream closes cannot outlive it either.
 
 `StepStream` yields (step, batch, info) and adds up the time the loop spent
 waiting for them (`waited`): the step lines' "data wait" share.
@@ -56,8 +57,9 @@ class Assemble:
 
 
 def _quiet_worker(index: int, count: int) -> None:
-    """A worker process leaves signals to the loop's process (which stops the run, then the workers), ends with
-    it, and leaves the tokenizer's threads to the cores of the other workers."""
+    """A worker process leaves signals to the loop's process, ends with it, and turns the tokenizer's threads off.
+
+    The loop's process stops the run, then the workers; the cores are left to the other workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)       # a closed terminal signals the whole process group
@@ -70,7 +72,6 @@ def _exit_with(parent: int, poll_s: float = 1.0) -> None:
     while os.getppid() == parent:
         time.sleep(poll_s)
     os._exit(0)
-
 
 
 def step_cost(build: BatchBuilder, steps: list[int]) -> float:
@@ -101,9 +102,10 @@ def choose_workers(build: BatchBuilder, requested: int, start: int, stop: int) -
 
 
 class StepStream:
-    """The batches of steps start .. stop-1 in order, built ahead by grain; `waited` is the time spent in
-    `next` (the loop waiting for data), `built` the steps received. Close it (or use it as a context manager)
-    to stop the workers."""
+    """The batches of steps start .. stop-1 in order, built ahead by grain.
+
+    `waited` is the time spent in `next` (the loop waiting for data), `built` the steps received. Close it (or
+    use it as a context manager) to stop the workers."""
 
     def __init__(self, build: BatchBuilder, start: int, stop: int, workers: int = 0, ahead: int = 2):
         import grain

@@ -26,8 +26,9 @@ def _newlines_before(path: str, end: int, chunk: int = CHUNK) -> int:
 
 
 def not_utf8(path: str, chunk: int = CHUNK) -> str | None:
-    """"line N (byte M): not UTF-8 text (REASON)" for the first byte of `path` that is not UTF-8, or None when
-    the whole file is UTF-8. Read in chunks: a large file is never held in memory."""
+    """"line N (byte M): not UTF-8 text (REASON)" for the first byte of `path` that is not UTF-8, else None.
+
+    Read in chunks: a large file is never held in memory."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0                                     # bytes handed to the decoder so far
     with open(path, "rb") as f:

@@ -10,10 +10,11 @@ uncut token counts. A step's encoder inputs are then assembled from those
 ids (data/batches.py): an instruction-aware query is the template's constant
 tokens, its two fields' ids and the special tokens, cut at query_max_len,
 exactly as the tokenizer would have made it of the whole text. That is
-checked on every query of the data while tokenizing; a tokenizer or template
-that does not split that way (for one query of the data is enough) is used
-the old way instead: the run then tokenizes each step's texts as it builds
-the step, with one warning (`TokenStore.exact`).
+checked on every query of the data while tokenizing; where a tokenizer or
+template does not split that way (for one query of the data is enough), the
+store says so (`TokenStore.exact` False, one warning) and each step's texts
+are tokenized as the step is built (`batches.StepTexts`, per-step
+tokenization).
 
 The same pass cleans the rows (`inf_ir.clean_record`: a bad row stops the
 run naming its split, row and field, or is skipped and counted), refuses a
@@ -23,16 +24,16 @@ instructions, the pool the instruction negatives are drawn from. It runs
 in worker processes (data.tokenize_workers) with a progress bar.
 
 The cache (`data.cache_dir`, default $INFJAX_CACHE_DIR or ~/.cache/infjax)
-holds one folder per key, a digest of: the data's content (the bytes of
-local files, a hub split's own fingerprint), how it is read (splits, field
-map, bad rows, limit, duplicates), the tokenizer (its whole pipeline, not
-its path), the maximum lengths and the text format. A second run, a resume
-and every other process of the host reuse it: the first process to take
-the key's file lock builds it into a temporary folder renamed into place
-when whole; the others wait and read it. It must be a local folder (it is
-memory-mapped): every host of a job builds its own, or shares one on a
+holds one folder per key (`cache_key`), a digest of: the data's content
+(`identify`: the bytes of local files, a hub split's own fingerprint), how it
+is read (splits, field map, bad rows, limit, duplicates), the tokenizer (its
+whole pipeline, not its path), the maximum lengths and the text format. A
+second run, a resume and every other process of the host reuse it: the first
+process to take the key's file lock builds it into a temporary folder renamed
+into place when whole; the others wait and read it. It must be a local folder
+(it is memory-mapped): every host of a job builds its own, or shares one on a
 shared file system. Small in-memory data (the synthetic corpus, tests) is
-tokenized in memory, without a cache.
+tokenized in memory, without a cache (`in_memory`).
 
 Files of a cache folder: tokens.bin (every piece's ids, uint16 where the
 vocabulary allows, else int32), offset.npy [R] (where clean record r's
@@ -102,8 +103,10 @@ class Encoding:
 
     @functools.cache
     def _before(self) -> tuple[str, ...]:
-        """What goes before each field's text in its piece: the passage prefix, the query prefix (Interaction
-        II), or the whitespace the template puts before the field (Interaction I)."""
+        """What goes before each field's text in its piece.
+
+        The passage prefix, the query prefix (Interaction II), or the whitespace the template puts before the
+        field (Interaction I)."""
         parts = self.parts()
         space = dict((parts.first, parts.second)) if parts is not None else {}
         return tuple(self.fmt.passage("") if i not in FIELD_ROLE else self.fmt.alone("")
@@ -123,8 +126,12 @@ class Encoding:
 class Reading:
     """How the rows of the sources are read (part of the cache key)."""
 
-    on_bad_row: str = "error"
+    on_bad_row: str = "error"          # error | skip (inf_ir.ON_BAD_ROW_CHOICES)
     dedupe: bool = True
+
+    def __post_init__(self):
+        if self.on_bad_row not in inf_ir.ON_BAD_ROW_CHOICES:
+            raise ValueError(f"on_bad_row must be one of {list(inf_ir.ON_BAD_ROW_CHOICES)}, got {self.on_bad_row!r}")
 
 
 # --------------------------------------------------------------------------
@@ -219,8 +226,9 @@ def read_folder(folder: str) -> TokenStore:
 
 @dataclasses.dataclass
 class Job:
-    """What a worker needs: the sources (memory-mapped datasets pickle as file names), the tokenizer's folder,
-    the encoding."""
+    """What a worker needs: the sources, the tokenizer's folder, the encoding.
+
+    The sources' memory-mapped datasets pickle as file names."""
 
     sources: list            # [(split, datasets.Dataset, resolved field map)]
     tokenizer_path: str
@@ -307,9 +315,10 @@ def _encode_records(records: list[dict], rows: list[int], bad: list[BadRowError]
 
 
 def _check_assembly(records, ids, enc: Encoding, tok: Tokenizer, pre, post, good) -> tuple[int, str | None]:
-    """How many of these records' texts, assembled from their pieces' ids, differ from the tokenizer's own ids of
-    the whole text (with the first such text): every instruction-aware query (Interaction I), and a few
-    passages, some of them cut."""
+    """How many of these records' texts, assembled from their pieces' ids, differ from the tokenizer's own ids.
+
+    Returns (count, the first such text). Checked: every instruction-aware query (Interaction I) against the
+    tokenizer's ids of the whole text, and a few passages, some of them cut."""
     if tok.truncation_side != "right":
         return len(records), f"the tokenizer cuts texts on the {tok.truncation_side} (assembly cuts on the right)"
     parts = enc.parts()
@@ -375,9 +384,10 @@ def _worker_count(requested: int, rows: int) -> int:
 
 
 def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progress: bool = True) -> dict:
-    """Every row of `job.sources`, cleaned, checked and tokenized: the store's arrays (but `tokens`, appended to
-    the binary file `tokens_out` as they come) and its meta's counts. Bad rows stop it (on_bad_row=error) or are
-    skipped and counted, one warning per split."""
+    """Every row of `job.sources`, cleaned, checked and tokenized: the store's arrays and its meta's counts.
+
+    `tokens` is not among the arrays: it goes to `tokens_out` as it comes. Bad rows stop it (on_bad_row=error)
+    or are skipped and counted, one warning per split; a split whose every row is bad is refused."""
     from tqdm.auto import tqdm
 
     tasks = _tasks(job.sources, job.chunk_rows)
@@ -419,8 +429,7 @@ def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progres
         bad.sort(key=lambda e: e.row)
         warnings.append(inf_ir.skipped_warning(splits[split_index], bad))
         if len(bad) == len(job.sources[split_index][1]):
-            raise inf_ir.DataFileError(f"InF-IR split {splits[split_index]!r}: no usable rows: all {len(bad)} were "
-                                       f"skipped as bad (on_bad_row=skip)")
+            raise inf_ir.no_usable_rows(splits[split_index], bad)
     seconds = time.perf_counter() - t0
     log.info("tokenized %d rows (%d records, %d skipped as bad) into %d ids in %.1f s (%.0f rows/s)", total,
              len(arrays["rows"]), total - len(arrays["rows"]), written, seconds, total / max(seconds, 1e-9))
@@ -456,8 +465,9 @@ def _interactive() -> bool:
 
 @contextlib.contextmanager
 def _pool(job: Job, workers: int):
-    """A function tasks -> results in order: in this process (workers=0), or in `workers` spawned processes (not
-    forked: this process runs JAX's threads)."""
+    """A function tasks -> results in order: in this process (workers=0), or in `workers` processes.
+
+    The processes are spawned, not forked: this process runs JAX's threads."""
     if workers == 0:
         _start_worker(job, parallel_tokenizer=True)
         try:
@@ -539,8 +549,9 @@ def token_dtype(tok: Tokenizer) -> str:
 
 def build(job: Job, reading: Reading, key: dict, folder: str | None, workers: int = -1,
           progress: bool = True) -> TokenStore:
-    """Tokenize every row of `job.sources` into a store: written into `folder` (then read back memory-mapped),
-    or kept in memory (folder None)."""
+    """Tokenize every row of `job.sources` into a store.
+
+    Written into `folder` (then read back memory-mapped), or kept in memory (folder None)."""
     tok = Tokenizer(job.tokenizer_path, job.padding_side)
     dtype = token_dtype(tok)
     chunks: list[np.ndarray] = []
@@ -588,19 +599,60 @@ def cache_root(configured: str = "") -> str:
 
 
 def file_digest(path: str) -> str:
-    """A digest of a file's bytes (identity by content: a file rewritten in place, same size and date, differs);
-    SHA-256, about 0.7 s per GB where the CPU has its instructions."""
+    """A digest of a file's bytes: identity by content (a file rewritten in place, same size and date, differs).
+
+    SHA-256: about 0.7 s per GB where the CPU has SHA instructions (0.06 s for all-MiniLM-L6-v2's 87 MiB,
+    docs/evaluation.md, 2026-11-28)."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def key_digest(key: dict) -> str:
+    """A cache entry's folder name: a digest of its key."""
     return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
+def identify(source: str, splits: Sequence[str], root: str) -> tuple[list[dict], tuple[str | None, ...]]:
+    """Each split of `source` by its content, for the cache key; and where its local files become Arrow files.
+
+    A split of local files is the SHA-256 of each file's bytes (`file_digest`), and its Arrow files go into
+    ROOT/arrow/<digest of those digests>/, so that a file rewritten in place is converted again. A hub split is
+    the fingerprint `datasets` gives it (`inf_ir.hub_fingerprint`), its Arrow files datasets' own (None).
+    """
+    identity, arrow_dirs = [], []
+    t0 = time.perf_counter()
+    log.info("identifying the training data %s (splits %s) by its content", source, ", ".join(splits))
+    for split in splits:
+        try:
+            files = inf_ir.local_files(source, split)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"config.data.source={source!r}: {e}") from e
+        if files is None:
+            identity.append({"split": split, "hub": source, "fingerprint": inf_ir.hub_fingerprint(source, split)})
+            arrow_dirs.append(None)
+        else:
+            digests = [file_digest(f) for f in files]
+            identity.append({"split": split, "files": digests})
+            arrow_dirs.append(os.path.join(root, "arrow", key_digest({"files": digests})))
+    log.info("training data identified by content in %.1f s (%s)", time.perf_counter() - t0, ", ".join(
+        f"{i['split']}: {len(i['files'])} file(s)" if "files" in i else f"{i['split']}: hub" for i in identity))
+    return identity, tuple(arrow_dirs)
+
+
+def cache_key(identity: list[dict], field_map: str, limit: int, reading: Reading, tokenizer: Tokenizer,
+              encoding: Encoding) -> dict:
+    """What names a cache entry (`key_digest` of it).
+
+    The data's content (`identify`), how its rows are read (the field map's name, the limit, `reading`), the
+    tokenizer's identity and the encoding; VERSION, the layout of the files."""
+    return {"version": VERSION, "data": identity, "field_map": field_map, "limit": limit,
+            "reading": dataclasses.asdict(reading), "tokenizer": tokenizer.identity(), "encoding": encoding.key()}
+
+
 class BuildLock:
-    """An exclusive flock on ROOT/tokens/KEY.lock while a store is built or checked; a process that waits says
-    who holds it, every minute."""
+    """An exclusive flock on ROOT/tokens/KEY.lock while a store is built or checked.
+
+    A process that waits says who holds it, every minute."""
 
     def __init__(self, path: str):
         self.path, self.fd = path, None
@@ -641,8 +693,9 @@ class BuildLock:
 
 def open_cached(make_job: Callable[[], Job], reading: Reading, key: dict, root: str, workers: int = -1
                 ) -> TokenStore:
-    """The store of `key` under `root`: read when a whole one is there, else built from `make_job()` (the
-    sources are opened only then; one process per key builds, the others wait for it)."""
+    """The store of `key` under `root`: read when a whole one is there, else built from `make_job()`.
+
+    The sources are opened only then; one process per key builds, the others wait for it."""
     name = key_digest(key)
     tokens_dir = os.path.join(root, "tokens")
     folder = os.path.join(tokens_dir, name)
@@ -673,8 +726,10 @@ def open_cached(make_job: Callable[[], Job], reading: Reading, key: dict, root: 
 
 
 def intact(folder: str, why: bool = False):
-    """Whether a cache folder's files are whole: each of the sizes meta.json says (a cut file, a missing one,
-    another folder's file are not); with `why`, what is wrong (a string, "" when nothing is)."""
+    """Whether a cache folder's files are whole: each of the sizes meta.json says.
+
+    A cut file, a missing one, another folder's file are not; with `why`, what is wrong (a string, "" when
+    nothing is)."""
     problem = ""
     try:
         with open(os.path.join(folder, "meta.json"), encoding="utf-8") as f:
@@ -707,15 +762,20 @@ def _size(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
 
 
-
-
 def in_memory(records: Sequence[dict], tokenizer_path: str, encoding: Encoding, reading: Reading = Reading(),
               padding_side: str = "right", split: str = "records") -> TokenStore:
-    """A store of in-memory records (the synthetic corpus, tests), built in this process, not cached. Records are
-    cleaned and checked as file rows are."""
+    """A store of in-memory records (the synthetic corpus, tests), cleaned and checked as file rows are."""
     import datasets
 
     columns = {name: [r[name] for r in records] for name in FIELDS}
-    dataset = datasets.Dataset.from_dict(columns)
-    job = Job([(split, dataset, dict(inf_ir.DEFAULT_FIELD_MAP))], tokenizer_path, padding_side, encoding)
+    return of_splits([(split, datasets.Dataset.from_dict(columns), dict(inf_ir.DEFAULT_FIELD_MAP))], tokenizer_path,
+                     encoding, reading, padding_side)
+
+
+def of_splits(sources: list, tokenizer_path: str, encoding: Encoding, reading: Reading = Reading(),
+              padding_side: str = "right") -> TokenStore:
+    """A store of opened splits, built in this process and kept in memory, not cached.
+
+    `sources`: [(split, dataset, resolved field map)], as `inf_ir.open_split` gives them."""
+    job = Job(list(sources), tokenizer_path, padding_side, encoding)
     return build(job, reading, {"in_memory": True}, None, workers=0, progress=False)

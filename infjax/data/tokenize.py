@@ -1,4 +1,4 @@
-"""Text formatting (query template, prefixes) and fixed-shape tokenization."""
+"""Text formats (query template, prefixes) and the tokenizer: fixed-shape ids, pieces, identity."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,8 +29,9 @@ class TextFormat:
         return self.query_prefix + text
 
     def query_parts(self) -> QueryParts | None:
-        """`query` as constant texts around its two fields, for assembling it from the fields' own tokens; None
-        for a template that names a field more than once."""
+        """`query` as constant texts around its two fields, for assembling it from the fields' own tokens.
+
+        None for a template that names a field more than once."""
         import string
 
         parsed = [(lit, field) for lit, field, _, _ in string.Formatter().parse(self.query_template)]
@@ -47,9 +48,10 @@ class TextFormat:
 
 @dataclasses.dataclass(frozen=True)
 class QueryParts:
-    """An instruction-aware query as five texts in a row: `head`, the first field, `middle`, the second field,
-    `tail`. The constants lose their trailing whitespace to the field that follows (`(name, whitespace)`), as
-    the byte-level BPE tokenizers read it (" word" is one token); WordPiece tokenizers ignore it either way.
+    """An instruction-aware query as five texts in a row: `head`, first field, `middle`, second field, `tail`.
+
+    The constants lose their trailing whitespace to the field that follows (`(name, whitespace)`), as the
+    byte-level BPE tokenizers read it (" word" is one token); WordPiece tokenizers ignore it either way.
     `TextFormat().query_parts()` is ("", ("query", ""), "", ("instruction", " "), "")."""
 
     head: str
@@ -77,7 +79,7 @@ def validate_template(template: str, key: str = "data.query_template") -> None:
                          f"found {sorted(names)}")
 
 
-# Texts tokenized in one call of the Hugging Face tokenizer at most (`Tokenizer.tokens`, `lengths`, `token_keys`):
+# Texts tokenized in one call of the Hugging Face tokenizer at most (`Tokenizer.tokens`, `lengths`):
 # its encodings hold each token's string and offsets besides the ids, tens of times the ids' memory.
 CHUNK = 4096
 
@@ -107,9 +109,10 @@ class Tokenizer:
         return int(self._tok.pad_token_id)
 
     def specials(self) -> tuple[list[int], list[int]] | None:
-        """The special tokens the tokenizer puts before and after a text's own ids ([CLS] and [SEP] for BERT,
-        BOS for Llama, none for Qwen2), read off one text encoded with and without them; None when they are not
-        the text's ids with tokens around them."""
+        """The special tokens the tokenizer puts before and after a text's own ids: (before, after).
+
+        [CLS] and [SEP] for BERT, BOS for Llama, none for Qwen2; read off one text encoded with and without
+        them. None when they are not the text's ids with tokens around them."""
         probe = "infjax probe text"
         bare = self._tok(probe, add_special_tokens=False)["input_ids"]
         full = self._tok(probe)["input_ids"]
@@ -119,9 +122,10 @@ class Tokenizer:
         return None
 
     def identity(self) -> str:
-        """A digest of what the tokenizer does to text (its whole pipeline as the tokenizers library serializes
-        it, the special tokens it adds, padding and truncation sides): equal for two folders that tokenize
-        alike, whatever their paths and file dates."""
+        """A digest of what the tokenizer does to text: equal for two folders that tokenize alike.
+
+        Its whole pipeline as the tokenizers library serializes it, the special tokens it adds, its padding and
+        truncation sides; not its path or its files' dates."""
         backend = getattr(self._tok, "backend_tokenizer", None)
         h = hashlib.blake2b(digest_size=16)
         h.update(type(self._tok).__name__.encode())
@@ -134,23 +138,27 @@ class Tokenizer:
         return self._tok.truncation_side
 
     def _ids(self, texts: list[str], **kwargs):
-        """The tokenizer's input_ids of `texts`, CHUNK texts at a time: its per-text encodings (tokens, offsets,
-        masks) of one chunk at most are alive at once, whatever the number of texts."""
+        """The tokenizer's input_ids of `texts`, CHUNK texts at a time.
+
+        Its per-text encodings (tokens, offsets, masks) of one chunk at most are alive at once, whatever the
+        number of texts."""
         for start in range(0, len(texts), CHUNK):
             yield from self._tok(list(texts[start:start + CHUNK]), **kwargs)["input_ids"]
 
     def encoded(self, texts: list[str], max_len: int, padded: bool = False):
-        """The tokenizer's own output for `texts` cut at max_len (special tokens included; padded to max_len
-        when `padded`, numpy arrays): its ids and, for a fast tokenizer, each text's encoding (what the cut
-        removed among it). `tokens` and `__call__` return the ids of this very call."""
+        """The tokenizer's own output for `texts` cut at max_len, special tokens included.
+
+        Padded to max_len when `padded` (numpy arrays): its ids and, for a fast tokenizer, each text's encoding
+        (what the cut removed among it). `tokens` and `__call__` return the ids of this very call."""
         if padded:
             return self._tok(list(texts), padding="max_length", truncation=True, max_length=max_len,
                              return_tensors="np")
         return self._tok(list(texts), truncation=True, max_length=max_len)
 
     def encode(self, texts: list[str], max_len: int | None = None, special: bool = False) -> list[list[int]]:
-        """The ids of `texts` in one call: uncut and without special tokens by default; with `max_len`, cut at it
-        (special tokens included when `special`)."""
+        """The ids of `texts` in one call: uncut and without special tokens by default.
+
+        With `max_len`, cut at it (special tokens included when `special`)."""
         if not texts:
             return []
         cut = {"truncation": True, "max_length": max_len} if max_len else {"truncation": False}
@@ -168,13 +176,6 @@ class Tokenizer:
     def lengths(self, texts: list[str]) -> list[int]:
         """Token counts of each text uncut (special tokens included): what `max_len` cuts is the excess."""
         return [len(ids) for ids in self._ids(texts, truncation=False, verbose=False)]
-
-    def token_keys(self, texts: list[str]) -> list[bytes]:
-        """One key per text, a digest of its token ids (uncut, without special tokens): texts with equal keys are
-        one input to the model, however their characters differ (case and accents for an uncased vocabulary,
-        spacing, invisible characters)."""
-        return [hashlib.blake2b(np.asarray(i, np.int64).tobytes(), digest_size=16).digest()
-                for i in self._ids(texts, add_special_tokens=False, truncation=False, verbose=False)]
 
     def save(self, directory: str) -> None:
         self._tok.save_pretrained(directory)

@@ -6,8 +6,9 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class FollowIRSplit:
-    """A FollowIR-style evaluation split: rerank each query's own candidate pool
-    under its original and its changed instruction."""
+    """A FollowIR-style evaluation split.
+
+    Each query's own candidate pool is reranked under its original and its changed instruction."""
 
     corpus: dict[str, str]                       # doc id -> passage
     queries: dict[str, str]                      # query id -> query text

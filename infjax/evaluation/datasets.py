@@ -283,9 +283,10 @@ Qrels = dict[str, dict[str, int]]
 
 
 def _leave_out(qrels: Qrels, keep, path: str, what: str, none: str, why: str) -> tuple[Qrels, tuple[str, ...]]:
-    """(the judged queries that `keep(query id)` keeps, the sorted ids of the others); a warning counting the
-    others ("... judged queries `why` and are left out of the means"), and a DataError "none of the N judged
-    queries of `what` `none`" when none is kept."""
+    """(the judged queries that `keep(query id)` keeps, the sorted ids of the others).
+
+    Warns, counting the others ("... judged queries `why` and are left out of the means"); a DataError "none of the N
+    judged queries of `what` `none`" when none is kept."""
     kept = {q: judged for q, judged in qrels.items() if keep(q)}
     left_out = tuple(sorted(set(qrels) - set(kept)))
     if not kept:
@@ -297,9 +298,10 @@ def _leave_out(qrels: Qrels, keep, path: str, what: str, none: str, why: str) ->
 
 
 def with_relevant(qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
-    """(the judged queries that have a relevant document, the ids of those that have none). A query whose
-    judgments are all 0 scores 0 in every measure whatever the ranking: averaged in, it only lowers the mean,
-    by the share of such queries. Such queries are left out, counted in a warning here and in the results; a set
+    """(the judged queries that have a relevant document, the ids of those that have none).
+
+    A query whose judgments are all 0 scores 0 in every measure whatever the ranking: averaged in, it only lowers the
+    mean, by the share of such queries. Such queries are left out, counted in a warning here and in the results; a set
     where none can score is a DataError."""
     return _leave_out(qrels, lambda q: any(g > 0 for g in qrels[q].values()), path, what,
                       "has a relevant document (a judgment with a grade above 0), so no measure can be computed; are "
@@ -307,11 +309,12 @@ def with_relevant(qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str,
 
 
 def with_text(queries: dict[str, str], qrels: Qrels, path: str, what: str) -> tuple[Qrels, tuple[str, ...]]:
-    """(the judged queries whose text has a character a reader sees, the ids of those whose text has none: empty,
-    spaces, or invisible characters only, a zero-width space; `inf_ir.visible`, the test training applies to its
-    fields). Such a query asks for nothing, and its ranking says nothing of the model: it is left out of the
-    means and counted, in a warning here and in the results, as queries without a relevant document are; a set
-    where no query has text is a DataError."""
+    """(the judged queries whose text has a character a reader sees, the ids of those whose text has none).
+
+    A text without one is empty, spaces, or invisible characters only, a zero-width space (`inf_ir.visible`, the test
+    training applies to its fields). Such a query asks for nothing, and its ranking says nothing of the model: it is
+    left out of the means and counted, in a warning here and in the results, as queries without a relevant document
+    are; a set where no query has text is a DataError."""
     return _leave_out(qrels, lambda q: visible(queries[q]), path, what,
                       "has visible text (each is empty, spaces or invisible characters only); are these the right "
                       "files?", "have no visible text (empty, spaces or invisible characters only)")
@@ -409,10 +412,11 @@ def load_followir_dir(folder: str, split: str = "test", lenient_qrels: bool = Fa
 
 def _relevant_outside_pools(pools: dict[str, dict[str, None]], qrels: dict[str, dict[str, dict[str, int]]],
                             pools_path: str) -> dict[str, int]:
-    """{query id: its judged relevant documents (grade > 0 in any of `qrels`, {file: {qid: {did: grade}}}) that
-    are not in its pool}, for the queries that have such documents. Reranking a pool can never reach them, so
-    each lowers the query's scores. A query whose relevant documents are all outside its pool (pools of
-    another split or id scheme) is refused: its scores would mean nothing."""
+    """{query id: its judged relevant documents that are not in its pool}, for the queries that have such documents.
+
+    Relevant: grade > 0 in any of `qrels` ({file: {qid: {did: grade}}}). Reranking a pool can never reach them, so each
+    lowers the query's scores. A query whose relevant documents are all outside its pool (pools of another split or id
+    scheme) is refused: its scores would mean nothing."""
     outside: dict[str, int] = {}
     for qid, pool in pools.items():
         relevant = {d for judged in qrels.values() for d, g in judged.get(qid, {}).items() if g > 0}

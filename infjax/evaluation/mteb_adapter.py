@@ -1,5 +1,6 @@
-"""An infjax model behind MTEB's encoder interface, and infjax's FollowIR-style splits as MTEB tasks
-(mteb itself stays an optional, lazily imported package: `pip install -e ".[mteb]"`, mteb 2.x).
+"""An infjax model behind MTEB's encoder interface, and infjax's FollowIR-style splits as MTEB tasks.
+
+mteb itself stays an optional, lazily imported package: `pip install -e ".[mteb]"`, mteb 2.x. Usage:
 
     import mteb
     from infjax.evaluation.mteb_adapter import InfjaxMTEBModel, mteb_task

@@ -18,7 +18,7 @@ from infjax.data.tokenize import TextFormat
 from infjax.data.types import FollowIRSplit
 from infjax.evaluation import datasets
 from infjax.evaluation.datasets import DataError, FollowIRTask, RetrievalTask
-from infjax.evaluation.metrics import p_mrr_per_query, trec_metrics
+from infjax.evaluation.metrics import p_mrr, p_mrr_per_query, trec_metrics
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.search import search
 
@@ -90,11 +90,11 @@ def score_followir(task: FollowIRTask, run_og: Run, run_new: Run
     """map@1000 / ndcg@5 of the original run (original qrels) and p-MRR (x100), mean and per query."""
     split = task.split
     means, per_query = trec_metrics(split.qrels_og, run_og, task.metrics)
+    try:
+        means["p_mrr"] = p_mrr(run_og, run_new, split.qrels_og, split.qrels_changed)
+    except ValueError as e:
+        raise DataError(f"{task.name}: {e}, so it is undefined") from None
     pq = p_mrr_per_query(run_og, run_new, split.qrels_og, split.qrels_changed)
-    if not pq:
-        raise DataError(f"{task.name}: no query has a document whose relevance differs between the original "
-                        f"and the changed qrels, so p-MRR is undefined")
-    means["p_mrr"] = float(np.mean(list(pq.values())))
     for q, v in pq.items():
         per_query.setdefault(q, {})["p_mrr"] = v
     return means, per_query
@@ -102,8 +102,10 @@ def score_followir(task: FollowIRTask, run_og: Run, run_new: Run
 
 def evaluate_task(task: datasets.Task, embed_pairs: PairEmbedFn, embed_passage: EmbedFn, fmt: TextFormat, *,
                   top_k: int = 1000, mesh=None, block_size: int = 65536, progress: bool = False) -> dict:
-    """{"name", "main_metric", "summary", "per_query", "runs": {label: run}, "left_out": [query ids],
-    "without_text": [query ids]} for one task; `left_out`: the judged queries without a relevant document
+    """Evaluate one task: its summary, per-query scores and runs, and the queries left out of the means.
+
+    Returns {"name", "main_metric", "summary", "per_query", "runs": {label: run}, "left_out": [query ids],
+    "without_text": [query ids]}; `left_out`: the judged queries without a relevant document
     (`datasets.with_relevant`), `without_text`: those whose text has no visible character (`datasets.with_text`),
     neither in the means."""
     if isinstance(task, FollowIRTask):

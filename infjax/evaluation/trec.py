@@ -19,15 +19,6 @@ def write_trec_run(path: str, run: Run, tag: str) -> None:
                 f.write(f"{q} Q0 {d} {rank} {s:.6f} {tag}\n")
 
 
-def read_trec_run(path: str) -> Run:
-    run: Run = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            q, _, d, _, s, _ = line.split()
-            run.setdefault(q, {})[d] = float(s)
-    return run
-
-
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "split"
 

@@ -15,9 +15,10 @@ class DataError(UserError, ValueError):
 
 
 def spec_options(kind: str, options: str, defaults: dict, forms: dict[str, str] | None = None) -> dict:
-    """The `key=value,...` options of a dataset spec (`kind:options`) over `defaults`; a key's value is an
-    integer where its default is one. An unknown key or a non-integer is a DataError naming the spec;
-    `forms` shows a text key's value in that message (default "...")."""
+    """The `key=value,...` options of a dataset spec (`kind:options`) over `defaults`.
+
+    A key's value is an integer where its default is one. An unknown key or a non-integer is a DataError naming the
+    spec; `forms` shows a text key's value in that message (default "...")."""
     out = dict(defaults)
     for item in filter(None, (s.strip() for s in options.split(","))):
         key, eq, value = item.partition("=")

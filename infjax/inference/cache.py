@@ -30,8 +30,9 @@ def texts_digest(texts: list[str]) -> str:
 
 
 def rows_digest(emb: np.ndarray) -> str:
-    """sha256 over an entry's dtype, shape and rows in order: the identity of what it holds (about 0.09 s for
-    100,000 x 384 float32, 147 MiB, on a CPU with SHA instructions)."""
+    """sha256 over an entry's dtype, shape and rows in order: the identity of what it holds.
+
+    About 0.09 s for 100,000 x 384 float32 (147 MiB) on a CPU with SHA instructions."""
     h = hashlib.sha256(f"{emb.dtype.str}|{tuple(emb.shape)}|".encode())
     h.update(memoryview(np.ascontiguousarray(emb)))
     return h.hexdigest()
@@ -57,8 +58,9 @@ def _read_exactly(f, size: int) -> memoryview:
 
 
 def check_entry(f, described, meta: dict, rows: int) -> tuple[np.ndarray | None, str]:
-    """(the [rows, d] float32 embeddings of the .npy file `f`, "") when they are the ones its JSON `described`
-    says they are, else (None, why). The JSON must carry the key's own description `meta` (model, step, dataset,
+    """(the [rows, d] float32 embeddings of the .npy file `f`, "") when its JSON `described` vouches for them.
+
+    Else (None, why). The JSON must carry the key's own description `meta` (model, step, dataset,
     side, the texts' count and hash: another entry's pair of files is not this one) and the shape, dtype and
     digest of the rows (`rows_description`); the .npy header must say `rows` rows of float32, its data hold
     exactly that many bytes (a cut file is refused), and the rows' digest match (rows permuted, replaced by
@@ -145,9 +147,11 @@ class EmbeddingCache:
 
     def _read_through(self, compute, key_texts: list[str], rows: int, model: str, step: int | None,
                       dataset: str, side: str, cuts: Cuts | None = None) -> np.ndarray:
-        """The cached [rows, d] embeddings keyed by `key_texts`, else `compute()` (then stored); `cuts`: the count
-        of cut texts that `compute` adds to, kept with the entry and added again by a hit. An entry that fails
-        `check_entry` is a miss, with one warning naming its file and why, and is written again."""
+        """The cached [rows, d] embeddings keyed by `key_texts`, else `compute()` (then stored).
+
+        `cuts`: the count of cut texts that `compute` adds to, kept with the entry and added again by a hit. An
+        entry that fails `check_entry` is a miss, with one warning naming its file and why, and is written
+        again."""
         key, meta = self.key(model, step, dataset, side, key_texts)
         path = storage.join(self.directory, key + ".npy")
         emb = None
@@ -182,8 +186,9 @@ class EmbeddingCache:
         return emb
 
     def _load(self, key: str, meta: dict, rows: int) -> tuple[np.ndarray | None, str]:
-        """(the entry's embeddings, "") when `check_entry` accepts the entry `key` for `meta` (the key's own
-        description) and `rows` texts, else (None, why)."""
+        """(the entry's embeddings, "") when `check_entry` accepts the entry `key`, else (None, why).
+
+        It is checked for `meta` (the key's own description) and `rows` texts."""
         try:
             described = json.loads(storage.read_text(storage.join(self.directory, key + ".json")))
         except (OSError, ValueError) as e:
@@ -195,8 +200,10 @@ class EmbeddingCache:
             return None, f"it cannot be read ({errors.describe(e)})"
 
     def _kept_cut(self, key: str, rows: int, max_len: int) -> int | None:
-        """How many of an entry's `rows` texts were cut at `max_len` tokens, as its JSON kept it; None where it
-        kept no such count (its encoder could not count them, or its JSON is missing or unreadable)."""
+        """How many of an entry's `rows` texts were cut at `max_len` tokens, as its JSON kept it, or None.
+
+        None where it kept no such count (its encoder could not count them, or its JSON is missing or
+        unreadable)."""
         try:
             kept = json.loads(storage.read_text(storage.join(self.directory, key + ".json"))).get("cut")
         except (OSError, ValueError, AttributeError):
@@ -208,15 +215,17 @@ class EmbeddingCache:
 
     def wrap(self, embed: EmbedFn, model: str, step: int | None, dataset: str, side: str,
              cuts: Cuts | None = None) -> EmbedFn:
-        """`embed` (texts -> embeddings) with a read-through cache keyed by the texts; `cuts`: the count of cut
-        texts `embed` adds to (kept with each entry)."""
+        """`embed` (texts -> embeddings) with a read-through cache keyed by the texts.
+
+        `cuts`: the count of cut texts `embed` adds to (kept with each entry)."""
         return lambda texts: self._read_through(lambda: embed(texts), list(texts), len(texts), model, step,
                                                 dataset, side, cuts)
 
     def wrap_pairs(self, embed_pairs: PairEmbedFn, model: str, step: int | None, dataset: str,
                    side: str = "query-pairs", cuts: Cuts | None = None) -> PairEmbedFn:
-        """`embed_pairs` ((instructions, queries) -> embeddings, Interaction II) with a read-through cache
-        keyed by the interleaved pairs (each text length-prefixed by texts_digest, so no two lists collide);
+        """`embed_pairs` ((instructions, queries) -> embeddings, Interaction II) with a read-through cache.
+
+        It is keyed by the interleaved pairs (each text length-prefixed by texts_digest, so no two lists collide);
         `cuts`: the count of cut queries `embed_pairs` adds to."""
         def cached(instructions: list[str], queries: list[str]) -> np.ndarray:
             interleaved = [t for pair in zip(instructions, queries) for t in pair]

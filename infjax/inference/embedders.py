@@ -69,8 +69,10 @@ def _jitted_packed(encoder: Encoder, mesh: Mesh):
 
 
 def _rows_split(encoder: Encoder, mesh: Mesh) -> Encoder:
-    """The encoder with its activations' rows held on the batch axes, as in training: the per-device attention
-    kernels (Pallas GPU, TPU splash) then run under shard_map on each device's own rows."""
+    """The encoder with its activations' rows held on the batch axes, as in training.
+
+    The per-device attention kernels (Pallas GPU, TPU splash) then run under shard_map on each device's own
+    rows."""
     return encoder.with_activation_sharding(batch_sharding(mesh)) if isinstance(encoder, Encoder) else encoder
 
 
@@ -81,9 +83,10 @@ CHUNK_TEXTS = 16384
 
 
 def tokens_per_call(batch_size: int, mesh: Mesh) -> int:
-    """Tokens of one packed encoder call: ``batch_size`` x 128 on GPU/TPU, where big calls keep the
-    matrix units busy; on CPU at most 1,024 per device, so a call's activations stay in the caches
-    (MiniLM at max_len 128 on 2 cores: 8,192-token calls encode ~62 docs/s, 1,024-token calls ~85)."""
+    """Tokens of one packed encoder call: ``batch_size`` x 128 on GPU/TPU, at most 1,024 per device on CPU.
+
+    Big calls keep the matrix units busy; on CPU small ones keep a call's activations in the caches (MiniLM at
+    max_len 128 on 2 cores: 8,192-token calls encode ~62 docs/s, 1,024-token calls ~85)."""
     return runtime_cpu.cap_call_tokens(batch_size * TOKENS_PER_CALL, mesh, batch_shards(mesh))
 
 
@@ -119,8 +122,10 @@ class TextEmbedder:
 
     def __call__(self, params, texts: list[str], max_len: int, progress: str | None = None,
                  cuts: Cuts | None = None) -> np.ndarray:
-        """Embeddings of `texts` in their order; `progress` names a tqdm bar (None: no bar); `cuts` (when given)
-        counts the texts and those max_len cuts, as they are tokenized for the encoder."""
+        """Embeddings of `texts` in their order.
+
+        `progress` names a tqdm bar (None: no bar); `cuts` (when given) counts the texts and those max_len cuts,
+        as they are tokenized for the encoder."""
         texts = list(texts)
         if not texts:
             return np.zeros((0, 0), np.float32)
@@ -141,8 +146,10 @@ class TextEmbedder:
         return self._pipeline(jobs(), len(texts), progress)
 
     def _pipeline(self, jobs, n: int, progress: str | None) -> np.ndarray:
-        """Collect (device result [M, d], owners [M]: the text of each row, -1 = none) into [n, d] in text
-        order, one call in flight so host work overlaps the device."""
+        """Collect (device result [M, d], owners [M]) pairs into [n, d] in text order.
+
+        `owners` gives the text of each row (-1: none); one call is in flight, so host work overlaps the
+        device."""
         bar = None
         if progress is not None:
             from tqdm.auto import tqdm
@@ -173,8 +180,10 @@ class TextEmbedder:
         return out
 
     def calls(self, tokens: list[np.ndarray], max_len: int) -> list[tuple[int, list[list[int]], int, int]]:
-        """The packed encoder calls of a corpus: (width, rows of text indices, text slots per shard, segment
-        slots per row), the slots the most of any call of the same shape (one compiled shape each)."""
+        """The packed encoder calls of a corpus: (width, rows of text indices, text slots, segment slots).
+
+        Text slots are per shard, segment slots per row; each is the most of any call of the same shape (one
+        compiled shape each)."""
         widths = list(length_buckets(max_len, 32))
         rows = packing.best_fit_rows([len(t) for t in tokens], widths)
         per_call = {w: round_to_shards(max(self.call_tokens // w, 1), self.mesh) for w in widths}
@@ -191,8 +200,10 @@ class TextEmbedder:
 
     def _packed_call(self, params, texts: list[str], max_len: int, progress: str | None,
                      cuts: Cuts | None = None) -> np.ndarray:
-        """Packed encoding, `chunk_texts` texts at a time (tokenized, placed and encoded before the next chunk is
-        tokenized: the host holds one chunk's tokens whatever the number of texts). A call shape keeps the most
+        """Packed encoding, `chunk_texts` texts at a time.
+
+        A chunk is tokenized, placed and encoded before the next chunk is tokenized: the host holds one chunk's
+        tokens whatever the number of texts. A call shape keeps the most
         text and segment slots any chunk gave it, so later chunks reuse its compiled program. Every process
         tokenizes (and counts) the whole chunk and places its own devices' shards."""
 
@@ -237,8 +248,9 @@ class CrossAttentionQueryEmbedder:
 
     def __call__(self, params, instructions: list[str], queries: list[str], max_len: int,
                  cuts: Cuts | None = None) -> np.ndarray:
-        """iq embeddings of the pairs in their order; `cuts` (when given) counts the queries and those max_len
-        cuts, as they are tokenized for the encoder."""
+        """iq embeddings of the pairs in their order.
+
+        `cuts` (when given) counts the queries and those max_len cuts, as they are tokenized for the encoder."""
         if len(instructions) != len(queries):
             raise ValueError(f"{len(instructions)} instructions but {len(queries)} queries")
         out = []

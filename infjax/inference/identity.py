@@ -44,8 +44,10 @@ class UnreadableModelFile(UserError, OSError):
 
 
 def model_files(folder: str) -> list[tuple[str, str]]:
-    """(path relative to `folder`, path) of every file that can change `folder`'s embeddings, sorted by the
-    relative path (see the module's docstring for what is left out). Linked folders are followed once."""
+    """(path relative to `folder`, path) of every file that can change `folder`'s embeddings.
+
+    Sorted by the relative path (see the module's docstring for what is left out). Linked folders are followed
+    once."""
     found, seen = [], set()
     for root, dirs, files in os.walk(folder, followlinks=True):
         real = os.path.realpath(root)
@@ -73,8 +75,9 @@ def _signature(st: os.stat_result) -> list[int]:
 
 
 def index_path() -> str | None:
-    """Where the per-file digests are kept: DIGESTS_FILE under $INFJAX_CACHE_DIR, else ~/.cache/infjax (None
-    for an object-store URL: then nothing is kept)."""
+    """Where the per-file digests are kept: DIGESTS_FILE under $INFJAX_CACHE_DIR, else ~/.cache/infjax.
+
+    None for an object-store URL: then nothing is kept."""
     root = os.environ.get("INFJAX_CACHE_DIR") or os.path.join("~", ".cache", "infjax")
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", root):
         return None
@@ -103,9 +106,10 @@ def _write_index(path: str | None, index: dict) -> None:
 
 
 def folder_digest(folder: str, index_file: str | None = "") -> str:
-    """SHA-256 over the relative path, size and SHA-256 of each of `model_files(folder)`: equal for two folders
-    whose files hold the same bytes, wherever they are and whatever their dates. `index_file`: where the
-    per-file digests are kept ("" for `index_path()`, None for nowhere)."""
+    """SHA-256 over the relative path, size and SHA-256 of each of `model_files(folder)`.
+
+    Equal for two folders whose files hold the same bytes, wherever they are and whatever their dates.
+    `index_file`: where the per-file digests are kept ("" for `index_path()`, None for nowhere)."""
     index_file = index_path() if index_file == "" else index_file
     index = _read_index(index_file)
     h = hashlib.sha256()

@@ -29,8 +29,9 @@ class NonFiniteOutputs(UserError):
 
 
 def _host_device():
-    """The CPU device when there is one (the parameters are on the host; a large model may not fit one
-    accelerator), else the default device."""
+    """The CPU device when there is one, else the default device.
+
+    The parameters are on the host, and a large model may not fit one accelerator."""
     try:
         return jax.devices("cpu")[0]
     except RuntimeError:
@@ -39,8 +40,10 @@ def _host_device():
 
 def probe_embeddings(encoder: Encoder, params: dict, tokenizer: Tokenizer, fmt: TextFormat
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """(query embeddings [len(PAIRS), d], passage embeddings [len(PASSAGES), d]) of the fixed texts, as the model
-    is used: one text per query under Interaction I, the head over the instruction and the query under II."""
+    """(query embeddings [len(PAIRS), d], passage embeddings [len(PASSAGES), d]) of the fixed texts.
+
+    As the model is used: one text per query under Interaction I, the head over the instruction and the query
+    under II."""
     with jax.default_device(_host_device()):
         qp, pp = query_params(params), passage_params(params)
         embed = jax.jit(encoder)

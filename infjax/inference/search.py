@@ -58,8 +58,9 @@ def _block_topk_fn(mesh: Mesh, block_size: int, k_local: int, k: int) -> Callabl
 
 
 class RowFile:
-    """Float32 rows [N, d] appended to a file and read back by slices (`rows[a:b]`), as `search` reads a corpus:
-    no memory map, so only the rows of the slice read are held, however many the file has."""
+    """Float32 rows [N, d] appended to a file and read back by slices (`rows[a:b]`), as `search` reads a corpus.
+
+    No memory map: only the rows of the slice read are held, however many the file has."""
 
     def __init__(self, path: str, dim: int):
         self.path, self.dim, self.rows = path, dim, 0

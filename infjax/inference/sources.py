@@ -1,34 +1,37 @@
-"""Where the embeddings come from: an infjax run, a sentence-transformers folder, or any HF checkpoint.
+"""Where the embeddings come from: an infjax run, an export, a sentence-transformers folder, or any HF checkpoint.
 
     load_model("runs/x")                          # infjax run directory (latest step, or step=N)
     load_model("exported/")                       # a folder with modules.json: encoded by sentence-transformers
     load_model("intfloat/e5-base-v2", query_prefix="query: ", passage_prefix="passage: ")   # HF checkpoint, infjax
     load_model(EMBEDDED)                          # the embedded all-MiniLM-L6-v2, infjax
 
-A run directory brings its own text format (template, prefixes) and lengths
-from the run's saved config. A HF checkpoint is encoded by infjax with the
-default template `"{query} {instruction}"` unless told otherwise, and with
-the pooling its sentence-transformers files name (else mean), so untrained
-baselines are measured exactly as trained runs. A sentence-transformers
-folder is encoded on torch by sentence-transformers itself (its own pooling
-and normalization); a `modules.json` folder can also be read by infjax with
-`model_type="hf"`. An infjax export of separate encoders (`query/` and
-`passage/`) encodes queries with the first and passages with the second; an
-export with an Interaction II head (HEAD_FILE) is read by infjax with it,
-instruction and query encoded apart, as the run is. Where sentence-transformers
-cannot be imported, an infjax export (EXPORT_MARKER) is read by infjax with
-its own pooling, prompts and lengths, saying so; another sentence-transformers
-folder is refused naming the extra that installs it. With `prefer_infjax`
-(curate's embedder), a sentence-transformers folder that infjax reads as
-sentence-transformers does is encoded by infjax. Every folder is checked as a
-whole first (models/folder.py), whichever library reads it.
+A source is resolved once (`resolve`) into what it is and who reads it (a `Source`), and `load_model`
+dispatches on that: infjax reads a run's parameters (runtime/restore.py) or a folder's (models/encoder.py),
+and both end in one tail (`_infjax_model`: lengths against the position table, tokenizer, cut counts,
+embedders); sentence-transformers reads on torch the folders that it reads (`_load_sentence_transformers`).
+
+Who reads what:
+- a run directory: infjax, with the text format (template, prefixes), lengths and interaction of the run's
+  saved config;
+- a HF checkpoint (hub id, folder, EMBEDDED): infjax, with the default template `"{query} {instruction}"`
+  unless told otherwise, and the pooling its sentence-transformers files name (else the family's), so
+  untrained baselines are measured exactly as trained runs;
+- a sentence-transformers folder (modules.json; an infjax export, or an export's query/ and passage/ towers,
+  queries encoded with the first and passages with the second): sentence-transformers (its own pooling and
+  normalization), except that infjax reads it, with its prompts and max_seq_length, where it holds an
+  Interaction II head (HEAD_FILE: instruction and query encoded apart, then the head, as the run does), with
+  `prefer_infjax` (curate's embedder) where infjax reads it as sentence-transformers does
+  (models/folder.py `infjax_reads`), and where sentence-transformers cannot be imported and it is an infjax
+  export (saying so); another folder is then refused naming the extra that installs it. `model_type="hf"`
+  has infjax read any folder.
+Every folder is checked as a whole first (models/folder.py), whichever library reads it.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
-import json
 import logging
 import os
 from typing import Callable
@@ -43,8 +46,9 @@ from infjax.inference import identity
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, EmbedFn, PairEmbedFn, TextEmbedder
 from infjax.inference.truncation import Cuts, cut_flags
 from infjax.models import folder as folder_lib
+from infjax.models.encoder import EMBEDDED, Encoder, checkpoint_path, load_encoder, passage_params, query_params
+from infjax.models.folder import EXPORT_MARKER, HEAD_FILE
 from infjax.models.hf import files as hf_files
-from infjax.models.encoder import checkpoint_path, load_encoder, passage_params, query_params
 from infjax.runtime import storage
 from infjax.runtime.mesh import default_mesh, put, replicated
 from infjax.runtime.restore import BASE_FLAG, NonFiniteParams, check_finite, load_run, saved_steps
@@ -52,11 +56,12 @@ from infjax.runtime.restore import BASE_FLAG, NonFiniteParams, check_finite, loa
 log = logging.getLogger("infjax.model_sources")
 
 MODEL_TYPES = ("auto", "run", "sentence_transformers", "hf")
-HEAD_FILE = "interaction_head.safetensors"     # an Interaction II export's head (infjax.export writes it)
-EXPORT_MARKER = "infjax-export.json"           # written into every export by infjax.export
 ST_EXTRA = "torch"                             # the extra that installs sentence-transformers (and torch)
-TOWERS = ("query", "passage")                  # an export of separate encoders: DIR/query and DIR/passage
 DEFAULT_QUERY_MAX_LEN, DEFAULT_PASSAGE_MAX_LEN = 256, 512      # docs/method.md §1.4 reference defaults
+# What a source is (`Source.kind`), as messages name it.
+KINDS = {"run": "an infjax run directory", "export": "an infjax export",
+         "sentence_transformers": "a sentence-transformers folder", "hf": "a Hugging Face checkpoint",
+         "embedded": "the embedded all-MiniLM-L6-v2 (a Hugging Face checkpoint)"}
 
 
 class ModelSourceError(UserError, ValueError):
@@ -68,7 +73,7 @@ class EmbeddingModel:
     """A loaded model: two embedding functions over final texts (already formatted by `fmt`)."""
 
     name: str                       # the source as given (--model)
-    kind: str                       # run | sentence_transformers | hf
+    kind: str                       # run | sentence_transformers | hf: who encodes it (meta.json's model_type)
     step: int | None
     fmt: TextFormat
     query_max_len: int
@@ -109,44 +114,35 @@ class EmbeddingModel:
                 "passage_max_len": self.passage_max_len}
 
 
-def is_run_dir(path: str) -> bool:
-    """A run directory (local or on an object store, e.g. gs://bucket/runs/x) with a finished checkpoint."""
-    return bool(saved_steps(path))
+# --------------------------------------------------------------------------
+# What a source is and who reads it
+# --------------------------------------------------------------------------
 
 
-def tower_folders(folder: str) -> dict[str, str]:
-    """{"query": DIR/query, "passage": DIR/passage} for a folder holding two encoders and no model of its own
-    (infjax.export of a run with separate encoders), else {}."""
-    towers = {t: os.path.join(folder, t) for t in TOWERS}
-    if os.path.isfile(os.path.join(folder, "config.json")) or not all(
-            os.path.isfile(os.path.join(p, "config.json")) for p in towers.values()):
-        return {}
-    return towers
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """What a model source is and who reads it, decided once (`resolve`)."""
 
-
-def detect_type(source: str) -> str:
-    """run (a folder with checkpoints/<step>), sentence_transformers (a folder with modules.json, or its query/
-    and passage/ folders with one each), else hf."""
-    if storage.is_remote(source):
-        return "run" if is_run_dir(source) else "hf"
-    path = os.path.expanduser(source)
-    if os.path.isdir(path):
-        if is_run_dir(path):
-            return "run"
-        folders = list(tower_folders(path).values()) or [path]
-        if all(os.path.isfile(os.path.join(f, "modules.json")) for f in folders):
-            return "sentence_transformers"
-    return "hf"
+    given: str                     # the source as given (--model): messages name it
+    kind: str                      # run | export | sentence_transformers | hf | embedded (KINDS)
+    path: str                      # the run directory (absolute), or the local folder (a hub id: its download)
+    reader: str                    # infjax | sentence_transformers
+    towers: dict = dataclasses.field(default_factory=dict)   # {"shared": folder} or {"query": .., "passage": ..}
+    head: str | None = None        # the Interaction II head file beside the encoder(s)
+    own_settings: bool = False     # its sentence-transformers prompts and max_seq_length apply to infjax
+    why: str = ""                  # why this reader, where the kind alone does not say it (logged)
+    warn: bool = False             # `why` is a warning (a reader stands in for a missing one)
 
 
 def is_export(folder: str) -> bool:
-    """Whether `folder` was written by infjax.export (its marker file)."""
-    return os.path.isfile(os.path.join(folder, EXPORT_MARKER))
+    """Whether `folder` (local, or an object-store URL) was written by infjax.export: it holds EXPORT_MARKER."""
+    return storage.exists(storage.join(folder, EXPORT_MARKER))
 
 
 def sentence_transformers_missing() -> str | None:
-    """Why sentence-transformers cannot be imported here (a plain, `gpu` or `tpu` install has neither it nor
-    torch), or None when it can."""
+    """Why sentence-transformers cannot be imported here, or None when it can.
+
+    A plain, `gpu` or `tpu` install has neither it nor torch."""
     try:
         import sentence_transformers  # noqa: F401 - optional: only sentence-transformers folders need it
     except ImportError as e:
@@ -154,10 +150,263 @@ def sentence_transformers_missing() -> str | None:
     return None
 
 
+def resolve(source: str, model_type: str = "auto", prefer_infjax: bool = False) -> Source:
+    """What `source` is and who reads it (see the module docstring).
+
+    Asked in this order: a run directory, a sentence-transformers folder (modules.json at its top, or in each of
+    its two towers), else a HF checkpoint (a hub id is downloaded). `model_type` (MODEL_TYPES) names the kind
+    instead of asking. A source that is not there, or that no reader here reads, is refused in one line naming
+    it."""
+    if model_type not in MODEL_TYPES:
+        raise ModelSourceError(f"--model_type={model_type!r}: choose one of {list(MODEL_TYPES)}")
+    remote, local, absolute = storage.is_remote(source), os.path.expanduser(source), storage.absolute(source)
+    if remote and not saved_steps(absolute):
+        raise ModelSourceError(f"--model={source!r}: no infjax run directory there (an object-store --model must "
+                               f"be a run directory with checkpoints/<step>)")
+    if not remote and not os.path.exists(local) and (source.startswith(("/", ".", "~")) or source.count("/") > 1):
+        raise ModelSourceError(f"--model={source!r}: no such folder (expected an infjax run directory, a "
+                               f"sentence-transformers folder or a HF checkpoint folder)")
+    if model_type == "run" or model_type == "auto" and (remote or os.path.isdir(local) and saved_steps(absolute)):
+        return Source(source, "run", absolute, "infjax")   # load_run refuses a folder that holds no run
+    folders = folder_lib.towers(local) or {"shared": local}
+    if model_type == "sentence_transformers" or model_type == "auto" and os.path.isdir(local) and all(
+            os.path.isfile(os.path.join(f, folder_lib.MODULES_FILE)) for f in folders.values()):
+        return _sentence_transformers_source(source, local, folders, model_type, prefer_infjax)
+    try:
+        path = checkpoint_path(source)          # a folder as it is, the embedded MiniLM, or a hub download
+    except hf_files.CheckpointNotFound as e:
+        raise ModelSourceError(f"--model={source!r}: {e}") from None
+    if path != local:
+        folders = folder_lib.towers(path) or {"shared": path}
+    head = os.path.join(path, HEAD_FILE) if os.path.isfile(os.path.join(path, HEAD_FILE)) else None
+    return Source(source, "embedded" if source == EMBEDDED else "hf", path, "infjax", folders, head,
+                  own_settings=bool(head or len(folders) > 1 or is_export(path)))
+
+
+def _sentence_transformers_source(source: str, path: str, folders: dict, model_type: str,
+                                  prefer_infjax: bool) -> Source:
+    """Who reads the sentence-transformers folder `path` (its encoder folders: `folders`)."""
+    export, head = is_export(path), os.path.join(path, HEAD_FILE)
+    found = functools.partial(Source, source, "export" if export else "sentence_transformers", path,
+                              towers=folders, head=head if os.path.isfile(head) else None)
+    if os.path.isfile(head):      # sentence-transformers would encode "query instruction" as one text, no head
+        return found("infjax", own_settings=True, why=f"{source} holds an Interaction II head ({HEAD_FILE}): "
+                     f"encoded by infjax, instruction and query apart, then the head")
+    why = ""
+    if prefer_infjax and model_type == "auto":
+        cannot = None
+        for f in folders.values():           # each folder checked as a whole first (a bad one is refused here)
+            folder_lib.check(f, reader="sentence_transformers")
+            cannot = folder_lib.infjax_reads(f)
+            if cannot:
+                cannot = f"infjax does not read {f} as sentence-transformers does: {cannot}"
+                break
+        if cannot is None:
+            return found("infjax", own_settings=True, why=f"{source} is encoded by infjax's own encoder, with its "
+                         f"pooling, normalization, prompts and max_seq_length as sentence-transformers reads them")
+        why = f"{source} is encoded by sentence-transformers: {cannot}"
+    missing = sentence_transformers_missing()
+    if missing and model_type == "auto" and export:
+        # infjax's encoder reads an export as sentence-transformers does: the same weights, pooling,
+        # normalization, prompts and max_seq_length (the export is written from them; its folder is checked)
+        return found("infjax", own_settings=True, warn=True, why=(
+            f"sentence-transformers is not installed ({missing}), so the infjax export {source} is encoded by "
+            f"infjax's own encoder, with the export's pooling, normalization, prompts and max_seq_length; pip "
+            f"install -e \".[{ST_EXTRA}]\" to encode it with sentence-transformers instead"))
+    if missing:
+        raise ModelSourceError(f"--model={source} is a sentence-transformers folder, and sentence-transformers "
+                               f"cannot be imported here ({missing}): pip install -e \".[{ST_EXTRA}]\", or "
+                               f"encode it with infjax (--model_type=hf: its weights and pooling, no other "
+                               f"sentence-transformers module)")
+    return found("sentence_transformers", why=why)
+
+
+# --------------------------------------------------------------------------
+# Loading: the flags, the dispatch, the readers and their shared tail
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What the caller asked beside the source: evaluate's and curate's flags (None: not given)."""
+
+    step: int | None = None
+    base_checkpoint: str | None = None
+    batch_size: int = 64
+    pooling: str | None = None
+    query_template: str | None = None
+    query_prefix: str | None = None
+    passage_prefix: str | None = None
+    query_max_len: int | None = None
+    passage_max_len: int | None = None
+    dtype: str = "float32"
+    progress: bool = True
+    mesh: object = None            # where infjax encodes (default: runtime.mesh.default_mesh())
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise ModelSourceError(f"--batch_size={self.batch_size}: must be >= 1")
+        for flag, value in (("--query_max_len", self.query_max_len), ("--passage_max_len", self.passage_max_len)):
+            if value is not None and not 8 <= value <= 8192:
+                raise ModelSourceError(f"{flag}={value}: must be in [8, 8192]")
+        if self.pooling is not None and self.pooling not in ("mean", "cls", "last"):
+            raise ModelSourceError(f"--pooling={self.pooling!r}: must be mean, cls or last")
+
+    def refuse_what_does_not_apply(self, src: Source) -> None:
+        """Refuse, in one line naming them, the flags that do not apply to `src`."""
+        for flag, value in (("--step", self.step), (BASE_FLAG, self.base_checkpoint)):
+            if value is not None and src.kind != "run":
+                raise ModelSourceError(f"{flag}={value} applies to infjax run directories; {src.given!r} is "
+                                       f"{KINDS[src.kind]}")
+        given = [f for f, v in (("--pooling", self.pooling), ("--query_template", self.query_template),
+                                ("--query_prefix", self.query_prefix), ("--passage_prefix", self.passage_prefix))
+                 if v is not None]
+        if src.kind == "run" and given:
+            raise ModelSourceError(f"{', '.join(given)}: a run directory uses its own config's pooling, template "
+                                   f"and prefixes ({src.given}); these flags apply to HF checkpoints and "
+                                   f"sentence-transformers folders")
+        if src.kind != "run":
+            self.text_format()                # a template that cannot work
+        if self.pooling is not None and src.kind in ("export", "sentence_transformers"):
+            raise ModelSourceError("--pooling: a sentence-transformers folder uses its own pooling module; "
+                                   "pass --model_type=hf to encode it with infjax and another pooling")
+
+    def text_format(self, prompts: tuple[str | None, str | None] = (None, None)) -> TextFormat:
+        """The text format the flags give; a template they give that cannot work is one line naming the flag.
+
+        A folder's own (query, document) `prompts` stand in for the prefixes the flags do not give."""
+        query, document = prompts
+        try:
+            return TextFormat(self.query_template or TextFormat.query_template,
+                              self.query_prefix if self.query_prefix is not None else query or "",
+                              self.passage_prefix if self.passage_prefix is not None else document or "")
+        except ValueError as e:
+            raise ModelSourceError(str(e).replace("data.query_template", "--query_template")) from None
+
+
+def load_model(source: str, *, model_type: str = "auto", step: int | None = None, batch_size: int = 64,
+               pooling: str | None = None, query_template: str | None = None, query_prefix: str | None = None,
+               passage_prefix: str | None = None, query_max_len: int | None = None,
+               passage_max_len: int | None = None, dtype: str = "float32", mesh=None,
+               progress: bool = True, base_checkpoint: str | None = None,
+               prefer_infjax: bool = False) -> EmbeddingModel:
+    """Load `source`: resolved once (`resolve`), then read by the reader it names (see the module docstring).
+
+    Raises ModelSourceError / FileNotFoundError on user errors, one line naming the path or flag.
+    `base_checkpoint`: a run's base checkpoint where it is now (it moved since the run). `prefer_infjax`
+    (curate's embedder): a sentence-transformers folder that infjax's encoder reads as sentence-transformers does
+    (an infjax export, or another with only a Transformer, Pooling and Normalize module) is encoded by infjax."""
+    asked = Asked(step, base_checkpoint, batch_size, pooling, query_template, query_prefix, passage_prefix,
+                  query_max_len, passage_max_len, dtype, progress, mesh)
+    src = resolve(source, model_type, prefer_infjax)
+    asked.refuse_what_does_not_apply(src)
+    if src.why:
+        (log.warning if src.warn else log.info)("%s", src.why)
+    if src.reader == "sentence_transformers":
+        return _load_sentence_transformers(src, asked)
+    read = _read_run(src, asked) if src.kind == "run" else _read_folder(src, asked)
+    return _infjax_model(read, asked)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Read:
+    """What an infjax reader gives the shared tail (`_infjax_model`)."""
+
+    name: str                      # EmbeddingModel.name: a run's absolute path, a folder as given
+    kind: str                      # run | hf
+    step: int | None
+    encoder: Encoder
+    params: dict                   # {"shared"} or {"query", "passage"} (+ "interaction": the head)
+    folder: str                    # its tokenizer and config.json
+    fmt: TextFormat
+    query_max_len: int
+    passage_max_len: int
+    pairs: bool                    # Interaction II: instruction and query encoded apart, then the head
+    key: Callable[[Tokenizer], str]   # the embedding cache's model key, given the tokenizer (on first use)
+    synthetic: dict | None = None
+
+
+def _read_run(src: Source, asked: Asked) -> _Read:
+    """A run's parameters at `asked.step`, with the text format, lengths and interaction of its config."""
+    run = load_run(src.path, asked.step, mesh=asked.mesh, base=asked.base_checkpoint)
+    data, model = run.config.data, run.config.model
+    qlen, plen = asked.query_max_len or data.query_max_len, asked.passage_max_len or data.passage_max_len
+    interaction = model.get("interaction", "concat")
+    settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={model.dtype}|len={qlen}/{plen}"
+
+    def key(tokenizer: Tokenizer) -> str:   # the weights' digest costs a pass over them: on first use
+        return f"run:{src.path}|weights={params_digest(run.params)}|{settings}|tokenizer={tokenizer.identity()}"
+
+    return _Read(src.path, "run", run.step, run.encoder, run.params, run.base_path,
+                 TextFormat(data.query_template, data.query_prefix, data.passage_prefix), qlen, plen,
+                 interaction == "cross_attention", key, data.synthetic.to_dict())
+
+
+def _read_folder(src: Source, asked: Asked) -> _Read:
+    """A folder's encoder(s) and Interaction II head, for the shared tail.
+
+    Its sentence-transformers prompts and max_seq_length apply where `Source.own_settings` says, unless the
+    flags give them."""
+    first = src.towers.get("query", src.path)
+    fmt = asked.text_format(folder_lib.st_prompts(first) if src.own_settings else (None, None))
+    if asked.dtype not in ("float32", "bfloat16"):
+        raise ModelSourceError(f"--dtype={asked.dtype!r}: must be float32 or bfloat16")
+    qlen, plen = asked.query_max_len, asked.passage_max_len
+    if src.own_settings:
+        qlen = qlen or folder_lib.st_max_seq_length(first)
+        plen = plen or folder_lib.st_max_seq_length(src.towers.get("passage", src.path))
+    try:
+        pooling = asked.pooling or folder_lib.pooling(first) or "auto"     # auto: the family's (models/registry.py)
+    except folder_lib.PoolingUnread as e:
+        raise ModelSourceError(f"--model={src.given}: {e}; name the pooling to use (--pooling=mean, cls or last), "
+                               f"or let sentence-transformers encode the folder (--model_type=sentence_transformers)"
+                               ) from None
+    params = {}
+    for tower, folder in src.towers.items():
+        config = ml_collections.ConfigDict({"checkpoint": folder, "family": "auto", "pooling": pooling,
+                                            "shared_encoder": True, "dtype": asked.dtype})
+        encoder, loaded, _ = load_encoder(config)
+        params[tower] = loaded["shared"]
+    if src.head:
+        params["interaction"] = {k: np.asarray(v, np.float32) for k, v in hf_files.read_safetensors(src.head).items()}
+    check_finite(params, f"--model={src.given}")
+    max_pos = hf_files.load_hf_config(first).get("max_position_embeddings") or 8192
+    qlen, plen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos), plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
+    # the folder's content (its towers and head included), computed on first use: see inference/identity.py
+    settings = f"pooling={encoder.pooling}|dtype={asked.dtype}|len={qlen}/{plen}"
+    return _Read(src.given, "hf", None, encoder, params, first, fmt, qlen, plen, src.head is not None,
+                 lambda tok: f"hf:{identity.folder_digest(src.path)}|{settings}")
+
+
+def _infjax_model(read: _Read, asked: Asked) -> EmbeddingModel:
+    """The tail every infjax reader shares: what `read` holds as an EmbeddingModel.
+
+    The lengths checked against the position table, the tokenizer, the cut counts, the text embedders and, for
+    Interaction II, the pair embedder."""
+    qlen, plen = read.query_max_len, read.passage_max_len
+    folder_lib.check_lengths(read.folder, {"--query_max_len": qlen, "--passage_max_len": plen}, ModelSourceError)
+    tokenizer = Tokenizer(read.folder, padding_side=read.encoder.padding_side)
+    cuts = {"query": Cuts(qlen), "passage": Cuts(plen)}
+    mesh = asked.mesh if asked.mesh is not None else default_mesh()     # the one load_run defaults to
+    params = put(read.params, replicated(mesh))
+    qp, pp = query_params(params), passage_params(params)
+    embedder = TextEmbedder(read.encoder, mesh, tokenizer, asked.batch_size)
+    bars = ("queries", "passages") if asked.progress else (None, None)
+    embed_pairs = None
+    if read.pairs:       # as in training: (instructions, queries) -> iq through the head (params["interaction"])
+        pair = CrossAttentionQueryEmbedder(read.encoder, mesh, tokenizer, read.fmt, asked.batch_size)
+        embed_pairs = lambda ins, qs: pair(params, list(ins), list(qs), qlen, cuts["query"])   # noqa: E731
+    return EmbeddingModel(read.name, read.kind, read.step, read.fmt, qlen, plen,
+                          lambda t: embedder(qp, t, qlen, bars[0], cuts["query"]),
+                          lambda t: embedder(pp, t, plen, bars[1], cuts["passage"]), synthetic=read.synthetic,
+                          cache_key=functools.partial(read.key, tokenizer), embed_pairs=embed_pairs, cuts=cuts)
+
+
 def params_digest(params) -> str:
-    """16 hex digits over every parameter's path, dtype, shape and bytes: two runs at the same path and step
-    with other weights (a run replaced by another) get other keys. Arrays split across processes are gathered
-    first, so every process computes the same digest."""
+    """16 hex digits over every parameter's path, dtype, shape and bytes.
+
+    Two runs at the same path and step with other weights (a run replaced by another) get other keys. Arrays
+    split across processes are gathered first, so every process computes the same digest."""
     from jax.experimental import multihost_utils
 
     h = hashlib.blake2b(digest_size=8)
@@ -171,276 +420,50 @@ def params_digest(params) -> str:
     return h.hexdigest()
 
 
-def _mesh(mesh):
-    return mesh if mesh is not None else default_mesh()
+# --------------------------------------------------------------------------
+# sentence-transformers on torch
+# --------------------------------------------------------------------------
 
 
-def st_max_seq_length(folder: str) -> int | None:
-    """The max_seq_length a sentence-transformers folder declares (sentence_bert_config.json), or None."""
-    try:
-        with open(os.path.join(folder, "sentence_bert_config.json"), encoding="utf-8") as f:
-            value = json.load(f).get("max_seq_length")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return int(value) if isinstance(value, int) and value > 0 else None
+def _load_sentence_transformers(src: Source, asked: Asked) -> EmbeddingModel:
+    """A sentence-transformers folder encoded by sentence-transformers on torch.
 
-
-def st_prompts(folder: str) -> tuple[str | None, str | None]:
-    """The (query, document) prompts a sentence-transformers folder declares (None where it declares none)."""
-    try:
-        with open(os.path.join(folder, "config_sentence_transformers.json"), encoding="utf-8") as f:
-            prompts = json.load(f).get("prompts") or {}
-    except (OSError, ValueError, AttributeError):
-        return None, None
-    return prompts.get("query") or None, prompts.get("document") or prompts.get("passage") or None
-
-
-def side_cuts(qlen: int, plen: int) -> dict[str, Cuts]:
-    """A model's two counts of cut texts, queries at `qlen` tokens and passages at `plen`."""
-    return {"query": Cuts(qlen), "passage": Cuts(plen)}
-
-
-def _infjax_embedders(encoder, params, tokenizer, mesh, batch_size: int, qlen: int, plen: int, progress: bool,
-                      cuts: dict[str, Cuts]):
-    embedder = TextEmbedder(encoder, mesh, tokenizer, batch_size)
-    params = put(params, replicated(mesh))
-    qp, pp = query_params(params), passage_params(params)
-    return (lambda t: embedder(qp, t, qlen, "queries" if progress else None, cuts["query"]),
-            lambda t: embedder(pp, t, plen, "passages" if progress else None, cuts["passage"]))
-
-
-def _pair_embedder(encoder, params, tokenizer, fmt, mesh, batch_size: int, qlen: int, cuts: Cuts):
-    """Interaction II: (instructions, queries) -> iq, instruction and query encoded apart, then the head
-    (`params["interaction"]`), as in training; `cuts` counts the queries max_len cuts."""
-    embedder = CrossAttentionQueryEmbedder(encoder, mesh, tokenizer, fmt, batch_size)
-    params = put(params, replicated(mesh))
-    return lambda ins, qs: embedder(params, list(ins), list(qs), qlen, cuts)
-
-
-def load_model(source: str, *, model_type: str = "auto", step: int | None = None, batch_size: int = 64,
-               pooling: str | None = None, query_template: str | None = None, query_prefix: str | None = None,
-               passage_prefix: str | None = None, query_max_len: int | None = None,
-               passage_max_len: int | None = None, dtype: str = "float32", mesh=None,
-               progress: bool = True, base_checkpoint: str | None = None,
-               prefer_infjax: bool = False) -> EmbeddingModel:
-    """Load `source` (see the module docstring). Raises ModelSourceError / FileNotFoundError on user errors.
-    `base_checkpoint`: a run's base checkpoint where it is now (it moved since the run). `prefer_infjax`: a
-    sentence-transformers folder that infjax's encoder reads as sentence-transformers does (an infjax export,
-    or another with only a Transformer, Pooling and Normalize module; models/folder.py `infjax_reads`) is
-    encoded by infjax, the others by sentence-transformers."""
-    if model_type not in MODEL_TYPES:
-        raise ModelSourceError(f"--model_type={model_type!r}: choose one of {list(MODEL_TYPES)}")
-    if batch_size < 1:
-        raise ModelSourceError(f"--batch_size={batch_size}: must be >= 1")
-    for flag, value in (("--query_max_len", query_max_len), ("--passage_max_len", passage_max_len)):
-        if value is not None and not 8 <= value <= 8192:
-            raise ModelSourceError(f"{flag}={value}: must be in [8, 8192]")
-    if pooling is not None and pooling not in ("mean", "cls", "last"):
-        raise ModelSourceError(f"--pooling={pooling!r}: must be mean, cls or last")
-    expanded = os.path.expanduser(source)
-    if storage.is_remote(source) and not is_run_dir(source):
-        raise ModelSourceError(f"--model={source!r}: no infjax run directory there (an object-store --model must "
-                               f"be a run directory with checkpoints/<step>)")
-    if not storage.is_remote(source) and not os.path.exists(expanded) and (
-            source.startswith(("/", ".", "~")) or source.count("/") > 1):
-        raise ModelSourceError(f"--model={source!r}: no such folder (expected an infjax run directory, a "
-                               f"sentence-transformers folder or a HF checkpoint folder)")
-    kind = detect_type(source) if model_type == "auto" else model_type
-    for flag, value in (("--step", step), (BASE_FLAG, base_checkpoint)):
-        if value is not None and kind != "run":
-            raise ModelSourceError(f"{flag}={value} applies to infjax run directories; {source!r} is a {kind} source")
-    if kind == "run":
-        flags = (("--pooling", pooling), ("--query_template", query_template), ("--query_prefix", query_prefix),
-                 ("--passage_prefix", passage_prefix))
-        given = [f for f, v in flags if v is not None]
-        if given:
-            raise ModelSourceError(f"{', '.join(given)}: a run directory uses its own config's pooling, template "
-                                   f"and prefixes ({source}); these flags apply to HF checkpoints and "
-                                   f"sentence-transformers folders")
-        return _load_run(source, step, batch_size, query_max_len, passage_max_len, mesh, progress, base_checkpoint)
-    try:
-        fmt = TextFormat(query_template or TextFormat.query_template,
-                         query_prefix if query_prefix is not None else "",
-                         passage_prefix if passage_prefix is not None else "")
-    except ValueError as e:
-        raise ModelSourceError(str(e).replace("data.query_template", "--query_template")) from None
-    given = (query_prefix is not None, passage_prefix is not None)
-    if kind == "sentence_transformers":
-        if pooling is not None:
-            raise ModelSourceError("--pooling: a sentence-transformers folder uses its own pooling module; "
-                                   "pass --model_type=hf to encode it with infjax and another pooling")
-        if os.path.isfile(os.path.join(expanded, HEAD_FILE)):
-            # sentence-transformers would encode "query instruction" as one text and ignore the head
-            log.info("%s holds an Interaction II head (%s): encoded by infjax, instruction and query apart, "
-                     "then the head", source, HEAD_FILE)
-            return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
-                            given)
-        if prefer_infjax and model_type == "auto":
-            cannot = _infjax_cannot_read(expanded)
-            if cannot is None:
-                log.info("%s is encoded by infjax's own encoder, with its pooling, normalization, prompts and "
-                         "max_seq_length as sentence-transformers reads them", source)
-                return _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh,
-                                progress, given, as_sentence_transformers=True)
-            log.info("%s is encoded by sentence-transformers: %s", source, cannot)
-        missing = sentence_transformers_missing()
-        if missing and model_type == "auto" and is_export(expanded):
-            # infjax's encoder reads an export as sentence-transformers does: the same weights, pooling,
-            # normalization, prompts and max_seq_length (the export is written from them; its folder is checked)
-            model = _load_hf(source, fmt, batch_size, None, query_max_len, passage_max_len, dtype, mesh, progress,
-                             given)
-            log.warning("sentence-transformers is not installed (%s), so the infjax export %s is encoded by infjax's "
-                        "own encoder, with the export's pooling, normalization, prompts and max_seq_length; "
-                        "pip install -e \".[%s]\" to encode it with sentence-transformers instead", missing, source,
-                        ST_EXTRA)
-            return model
-        if missing:
-            raise ModelSourceError(f"--model={source} is a sentence-transformers folder, and sentence-transformers "
-                                   f"cannot be imported here ({missing}): pip install -e \".[{ST_EXTRA}]\", or "
-                                   f"encode it with infjax (--model_type=hf: its weights and pooling, no other "
-                                   f"sentence-transformers module)")
-        return _load_sentence_transformers(source, fmt, batch_size, query_max_len, passage_max_len, progress, given)
-    return _load_hf(source, fmt, batch_size, pooling, query_max_len, passage_max_len, dtype, mesh, progress, given)
-
-
-def _infjax_cannot_read(folder: str) -> str | None:
-    """Why infjax's encoder would not encode the sentence-transformers folder (or each of its two towers) as
-    sentence-transformers does, or None; each folder checked as a whole first (a bad one is refused here)."""
-    for f in (tower_folders(folder) or {"shared": folder}).values():
-        folder_lib.check(f, reader="sentence_transformers")
-        why = folder_lib.infjax_reads(f)
-        if why:
-            return f"infjax does not read {f} as sentence-transformers does: {why}"
-    return None
-
-
-def check_lengths(model_path: str, qlen: int, plen: int) -> None:
-    """Refuse a query or passage length beyond the model's position table (as training does): past it an
-    encoder computes NaN or garbage for every token from there on."""
-    table = hf_files.load_hf_config(model_path).get("max_position_embeddings")
-    for flag, value in (("--query_max_len", qlen), ("--passage_max_len", plen)):
-        if isinstance(table, int) and value > table:
-            raise ModelSourceError(f"{flag}={value} exceeds the model's position table (max_position_embeddings="
-                                   f"{table} in {model_path}/config.json); give at most {table}")
-
-
-def _load_run(workdir, step, batch_size, qlen, plen, mesh, progress, base=None) -> EmbeddingModel:
-    workdir = storage.absolute(workdir)
-    if not is_run_dir(workdir):
-        raise ModelSourceError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
-    mesh = _mesh(mesh)
-    run = load_run(workdir, step, mesh=mesh, base=base)
-    data = run.config.data
-    fmt = TextFormat(data.query_template, data.query_prefix, data.passage_prefix)
-    qlen, plen = qlen or data.query_max_len, plen or data.passage_max_len
-    check_lengths(run.base_path, qlen, plen)
-    tokenizer = Tokenizer(run.base_path, padding_side=run.encoder.padding_side)
-    cuts = side_cuts(qlen, plen)
-    eq, ep = _infjax_embedders(run.encoder, run.params, tokenizer, mesh, batch_size, qlen, plen, progress, cuts)
-    interaction = run.config.model.get("interaction", "concat")
-    embed_pairs = None
-    if interaction == "cross_attention":      # Interaction II: instruction and query encoded apart, then the head
-        embed_pairs = _pair_embedder(run.encoder, run.params, tokenizer, fmt, mesh, batch_size, qlen, cuts["query"])
-    settings = f"pooling={run.encoder.pooling}|interaction={interaction}|dtype={run.config.model.dtype}" \
-               f"|len={qlen}/{plen}|tokenizer={tokenizer.identity()}"
-    key = lambda: f"run:{workdir}|weights={params_digest(run.params)}|{settings}"   # noqa: E731
-    return EmbeddingModel(workdir, "run", run.step, fmt, qlen, plen, eq, ep, synthetic=data.synthetic.to_dict(),
-                          cache_key=key, embed_pairs=embed_pairs, cuts=cuts)
-
-
-def _load_hf(source, fmt, batch_size, pooling, qlen, plen, dtype, mesh, progress,
-             prefixes_given=(True, True), as_sentence_transformers=False) -> EmbeddingModel:
-    """A HF checkpoint encoded by infjax; an infjax export folder as well: its query/ and passage/ encoders
-    (separate towers) and its Interaction II head (HEAD_FILE) when it has them, its prompts as prefixes
-    unless the flags give them (`prefixes_given`). `as_sentence_transformers`: a sentence-transformers folder
-    that infjax reads as sentence-transformers does (its prompts and max_seq_length, as for an export)."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ModelSourceError(f"--dtype={dtype!r}: must be float32 or bfloat16")
-    try:
-        path = checkpoint_path(source)
-    except hf_files.CheckpointNotFound as e:
-        raise ModelSourceError(f"--model={source!r}: {e}") from None
-    folders = tower_folders(path) or {"shared": path}
-    head_file = os.path.join(path, HEAD_FILE)
-    head = os.path.isfile(head_file)
-    first = folders.get("query", path)
-    if as_sentence_transformers or head or len(folders) > 1 or is_export(path):   # its own prompts and lengths
-        prompts = st_prompts(first)
-        fmt = dataclasses.replace(fmt, query_prefix=fmt.query_prefix if prefixes_given[0] else prompts[0] or "",
-                                  passage_prefix=fmt.passage_prefix if prefixes_given[1] else prompts[1] or "")
-        qlen = qlen or st_max_seq_length(first)
-        plen = plen or st_max_seq_length(folders.get("passage", path))
-    try:
-        pooling = pooling or folder_lib.pooling(first) or "auto"     # auto: the family's own (models/registry.py)
-    except folder_lib.PoolingUnread as e:
-        raise ModelSourceError(f"--model={source}: {e}; name the pooling to use (--pooling=mean, cls or last), or "
-                               f"let sentence-transformers encode the folder (--model_type=sentence_transformers)") \
-            from None
-    params = {}
-    for tower, folder in folders.items():
-        config = ml_collections.ConfigDict({"checkpoint": folder, "family": "auto", "pooling": pooling,
-                                            "shared_encoder": True, "dtype": dtype})
-        encoder, loaded, _ = load_encoder(config)
-        params[tower] = loaded["shared"]
-    if head:
-        params["interaction"] = {k: np.asarray(v, np.float32) for k, v in hf_files.read_safetensors(head_file).items()}
-    check_finite(params, f"--model={source}")
-    pooling = encoder.pooling                                 # "auto" resolved
-    max_pos = hf_files.load_hf_config(first).get("max_position_embeddings") or 8192
-    qlen = qlen or min(DEFAULT_QUERY_MAX_LEN, max_pos)
-    plen = plen or min(DEFAULT_PASSAGE_MAX_LEN, max_pos)
-    check_lengths(first, qlen, plen)
-    tokenizer = Tokenizer(first, padding_side=encoder.padding_side)
-    cuts = side_cuts(qlen, plen)
-    eq, ep = _infjax_embedders(encoder, params, tokenizer, _mesh(mesh), batch_size, qlen, plen, progress, cuts)
-    embed_pairs = _pair_embedder(encoder, params, tokenizer, fmt, _mesh(mesh), batch_size, qlen,
-                                 cuts["query"]) if head else None
-    # the folder's content (its towers and head included), computed on first use: see inference/identity.py
-    key = lambda: f"hf:{identity.folder_digest(path)}|pooling={pooling}|dtype={dtype}|len={qlen}/{plen}"  # noqa: E731
-    return EmbeddingModel(source, "hf", None, fmt, qlen, plen, eq, ep, cache_key=key, embed_pairs=embed_pairs,
-                          cuts=cuts)
-
-
-def _load_sentence_transformers(source, fmt, batch_size, qlen, plen, progress, prefixes_given) -> EmbeddingModel:
-    """A sentence-transformers folder encoded by sentence-transformers on torch; a folder of two (query/ and
-    passage/, an export of separate encoders) encodes queries with the first and passages with the second."""
-    folder = os.path.expanduser(source)
-    folders = tower_folders(folder) or {"shared": folder}
-    for f in folders.values():
-        if not os.path.isfile(os.path.join(f, "modules.json")):
-            raise ModelSourceError(f"{os.path.join(f, 'modules.json')}: file not found "
+    A folder of two (query/ and passage/, an export of separate encoders) encodes queries with the first and
+    passages with the second."""
+    for f in src.towers.values():
+        if not os.path.isfile(os.path.join(f, folder_lib.MODULES_FILE)):
+            raise ModelSourceError(f"{os.path.join(f, folder_lib.MODULES_FILE)}: file not found "
                                    f"(--model_type=sentence_transformers needs a sentence-transformers folder)")
         folder_lib.check(f, reader="sentence_transformers")
-    models = {tower: _sentence_transformer(source, f) for tower, f in folders.items()}
+    models = {tower: _sentence_transformer(src.given, f) for tower, f in src.towers.items()}
     q_model, p_model = models.get("query", models.get("shared")), models.get("passage", models.get("shared"))
     # The folder's own prompts become the prefixes unless given; they are applied here, never twice.
     prompts = getattr(q_model, "prompts", {}) or {}
-    if not prefixes_given[0] and prompts.get("query"):
-        fmt = dataclasses.replace(fmt, query_prefix=prompts["query"])
-    if not prefixes_given[1] and (prompts.get("document") or prompts.get("passage")):
-        fmt = dataclasses.replace(fmt, passage_prefix=prompts.get("document") or prompts.get("passage"))
-    qlen, plen = qlen or q_model.max_seq_length, plen or p_model.max_seq_length
+    fmt = asked.text_format((prompts.get("query"), prompts.get("document") or prompts.get("passage")))
+    qlen, plen = asked.query_max_len or q_model.max_seq_length, asked.passage_max_len or p_model.max_seq_length
 
     def embed(model, texts: list[str], cuts: Cuts) -> np.ndarray:
         model.max_seq_length = cuts.max_len
         with st_counting(model, cuts, len(texts)):
-            out = model.encode(list(texts), prompt="", batch_size=batch_size, normalize_embeddings=True,
-                               convert_to_numpy=True, show_progress_bar=progress and len(texts) > batch_size)
+            out = model.encode(list(texts), prompt="", batch_size=asked.batch_size, normalize_embeddings=True,
+                               convert_to_numpy=True,
+                               show_progress_bar=asked.progress and len(texts) > asked.batch_size)
         return np.asarray(out, np.float32)
 
-    key = lambda: f"st:{identity.folder_digest(folder)}|len={qlen}/{plen}"   # noqa: E731 - see _load_hf
-    cuts = side_cuts(qlen, plen)
-    return EmbeddingModel(source, "sentence_transformers", None, fmt, qlen, plen,
+    key = lambda: f"st:{identity.folder_digest(src.path)}|len={qlen}/{plen}"   # noqa: E731 - see _read_folder
+    cuts = {"query": Cuts(qlen), "passage": Cuts(plen)}
+    return EmbeddingModel(src.given, "sentence_transformers", None, fmt, qlen, plen,
                           lambda t: embed(q_model, t, cuts["query"]), lambda t: embed(p_model, t, cuts["passage"]),
                           cache_key=key, cuts=cuts)
 
 
 @contextlib.contextmanager
 def st_counting(model, cuts: Cuts, texts: int):
-    """While sentence-transformers encodes `texts` texts with `model`, count into `cuts` those max_len cuts, from
-    its own tokenizer's output for each batch (`preprocess`; `tokenize` in older sentence-transformers), read by
-    `cut_flags`. Where the batches seen do not add up to the texts (a sentence-transformers that tokenizes
-    through another method), the count is unknown, never a guess."""
+    """While sentence-transformers encodes `texts` texts with `model`, count into `cuts` those max_len cuts.
+
+    The count comes from its own tokenizer's output for each batch (`preprocess`; `tokenize` in older
+    sentence-transformers), read by `cut_flags`. Where the batches seen do not add up to the texts (a
+    sentence-transformers that tokenizes through another method), the count is unknown, never a guess."""
     name = "preprocess" if hasattr(type(model), "preprocess") else "tokenize"
     own = getattr(model, name)
     seen = Cuts(cuts.max_len)
@@ -467,8 +490,9 @@ def st_counting(model, cuts: Cuts, texts: int):
 
 
 def _sentence_transformer(source: str, folder: str):
-    """`sentence_transformers.SentenceTransformer(folder)` (on the GPU when there is one), its parameters
-    checked finite; a folder it cannot load is one line naming it."""
+    """`sentence_transformers.SentenceTransformer(folder)`, on the GPU when there is one.
+
+    Its parameters are checked finite; a folder it cannot load is one line naming it."""
     from sentence_transformers import SentenceTransformer   # optional: only sentence-transformers folders need it
 
     try:

@@ -28,8 +28,9 @@ Lengths = Callable[[list[str]], list[int]]       # texts -> uncut token counts, 
 
 @dataclasses.dataclass
 class Cuts:
-    """The texts an encoder read at `max_len` tokens at most, and how many of them that length cut. A text is
-    uncounted where nothing said whether it was cut (its embedding came from a cache entry that kept no count,
+    """The texts an encoder read at `max_len` tokens at most, and how many of them that length cut.
+
+    A text is uncounted where nothing said whether it was cut (its embedding came from a cache entry that kept no count,
     or the tokenizer's output did not say); `cut_count` is then unknown."""
 
     max_len: int
@@ -64,10 +65,12 @@ class Cuts:
 
 
 def cut_flags(encoded, texts: list[str], max_len: int, lengths: Lengths) -> np.ndarray | None:
-    """Whether `max_len` cut each of `texts`, read off `encoded`: a tokenizer's output for exactly these texts
-    cut at max_len (a BatchEncoding, or a dict with `attention_mask` or unpadded `input_ids`). A fast
+    """Whether `max_len` cut each of `texts`, read off `encoded`; None when it has not one row per text.
+
+    `encoded` is a tokenizer's output for exactly these texts cut at max_len (a BatchEncoding, or a dict with
+    `attention_mask` or unpadded `input_ids`). A fast
     tokenizer's encodings keep what truncation removed (`overflowing`); otherwise the texts that fill max_len
-    are tokenized again uncut (`lengths`). None when `encoded` has not one row per text."""
+    are tokenized again uncut (`lengths`)."""
     encodings = getattr(encoded, "encodings", None)
     if encodings is not None and len(encodings) == len(texts):
         return np.fromiter((bool(e.overflowing) for e in encodings), bool, len(texts))
@@ -83,8 +86,9 @@ def cut_flags(encoded, texts: list[str], max_len: int, lengths: Lengths) -> np.n
 
 
 def tokens(tokenizer: Tokenizer, texts: list[str], max_len: int, cuts: Cuts | None) -> list[np.ndarray]:
-    """`tokenizer.tokens(texts, max_len)`, counting into `cuts` (when given) the texts and those max_len cuts,
-    from the same tokenizer calls (tokenize.CHUNK texts each)."""
+    """`tokenizer.tokens(texts, max_len)`, counting into `cuts` (when given) the texts and those max_len cuts.
+
+    The count comes from the same tokenizer calls (tokenize.CHUNK texts each)."""
     if cuts is None:
         return tokenizer.tokens(texts, max_len)
     out = []
@@ -98,8 +102,9 @@ def tokens(tokenizer: Tokenizer, texts: list[str], max_len: int, cuts: Cuts | No
 
 def padded(tokenizer: Tokenizer, texts: list[str], max_len: int, cuts: Cuts | None,
            counted: int) -> tuple[np.ndarray, np.ndarray]:
-    """`tokenizer(texts, max_len)` (ids and mask [N, max_len]), counting into `cuts` (when given) the first
-    `counted` texts: the others pad a batch to its static size."""
+    """`tokenizer(texts, max_len)` (ids and mask [N, max_len]), counting the first `counted` texts into `cuts`.
+
+    The others pad a batch to its static size; `cuts` may be None (no count)."""
     if cuts is None:
         return tokenizer(texts, max_len)
     encoded = tokenizer.encoded(texts, max_len, padded=True)

@@ -234,11 +234,12 @@ def _probe(head_dim: int, dtype: Any, length: int = 512, heads: int = 1):
 
 
 def costs_per_text(head_dim: int, dtype: Any, dropout: bool = False) -> bool:
-    """Whether `attention` (impl "auto") computes only each text's own keys for these inputs, so that a packed
-    row's attention costs the sum of its texts' squared lengths, not its own squared length: true of the CPU
-    kernel, cuDNN's packed attention and the Pallas GPU kernel (which skips other texts' key blocks). Splash
-    and the XLA paths compute the whole row, as does any path with attention dropout (`dropout`: the run
-    applies the checkpoint's dropout)."""
+    """Whether `attention` (impl "auto") computes only each text's own keys for these inputs.
+
+    If so, a packed row's attention costs the sum of its texts' squared lengths, not its own squared length: true of
+    the CPU kernel, cuDNN's packed attention and the Pallas GPU kernel (which skips other texts' key blocks). Splash
+    and the XLA paths compute the whole row, as does any path with attention dropout (`dropout`: the run applies the
+    checkpoint's dropout)."""
     probe = _probe(head_dim, dtype)
     return choose(probe, probe, dropout=dropout).impl in PER_TEXT
 

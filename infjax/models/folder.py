@@ -1,4 +1,4 @@
-"""What a usable model folder is, decided in one place.
+"""What a usable model folder is, and what it holds, decided in one place.
 
 Every entry point that reads a Hugging Face or sentence-transformers folder passes it through `check` before a
 library reads it: training's `model.checkpoint` (and a resumed run's base), a run's base when evaluate or export
@@ -23,10 +23,14 @@ names and that is gone leaves mean pooling. So the folder is checked as a whole:
 
 A refusal is one line naming the folder, the file and the remedy (`FolderUnusable`, a UserError).
 
+What a folder holds beside that: two towers (`towers`: an export of separate encoders), an Interaction II head
+(HEAD_FILE), the marker of an export (EXPORT_MARKER), the prompts and max_seq_length its sentence-transformers
+files declare (`st_prompts`, `st_max_seq_length`), its pooling (`pooling`), and whether infjax's encoder reads it
+as sentence-transformers does (`infjax_reads`). `check_lengths` refuses a length past its position table.
+
 What a run reads through its tokenizer is recorded (`record`: its `fingerprint`, over its vocabulary and what it
 does to a probe text) under TOKENIZER_KEY of the run's saved config; `other_tokenizer` says why a base folder
-that now holds another tokenizer is refused (a resume in train.py, a restore in runtime/restore.py). `infjax_reads` says whether infjax's encoder reads a sentence-transformers
-folder as sentence-transformers does (its modules, pooling and text handling).
+that now holds another tokenizer is refused (a resume in training/resume.py, a restore in runtime/restore.py).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import glob
 import hashlib
 import json
 import os
+from typing import Mapping
 
 from infjax.errors import UserError
 from infjax.models.hf import files as hf_files
@@ -43,6 +48,10 @@ from infjax.models.registry import by_model_type
 TOKENIZER_KEY = "tokenizer"      # a run's saved config: {"folder", "fingerprint", "tokens"} of its tokenizer
 MODULES_FILE = "modules.json"
 ST_CONFIG_FILE = "sentence_bert_config.json"
+ST_PROMPTS_FILE = "config_sentence_transformers.json"
+HEAD_FILE = "interaction_head.safetensors"     # an Interaction II export's head, beside its encoder(s)
+EXPORT_MARKER = "infjax-export.json"           # written into every folder infjax.export writes
+TOWERS = ("query", "passage")                  # an export of separate encoders: DIR/query and DIR/passage
 # The pooling modes of a sentence-transformers Pooling config, and infjax's name for those it computes.
 POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                 "pooling_mode_lasttoken": "last", "pooling_mode_max_tokens": None,
@@ -60,8 +69,9 @@ class FolderUnusable(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelFolder:
-    """A checked folder: its config.json, its tokenizer's size, its sentence-transformers modules ([] for a plain
-    Hugging Face folder)."""
+    """A checked folder: its config.json, its tokenizer's size, its sentence-transformers modules.
+
+    `modules` is [] for a plain Hugging Face folder."""
 
     path: str
     config: dict
@@ -99,8 +109,9 @@ def tokenizer_files_missing(path: str) -> str | None:
 
 
 def load_tokenizer(path: str):
-    """The folder's tokenizer as transformers reads it (`AutoTokenizer`, as data/tokenize.py does), its files
-    present; one line naming the folder where transformers cannot read it."""
+    """The folder's tokenizer as transformers reads it (`AutoTokenizer`, as data/tokenize.py does).
+
+    Its files must be there; where they are not, or transformers cannot read them, one line names the folder."""
     missing = tokenizer_files_missing(path)
     if missing:
         fallback = (": transformers would build a tokenizer of a few special tokens from tokenizer_config.json "
@@ -119,10 +130,11 @@ def load_tokenizer(path: str):
 
 
 def fingerprint(tokenizer) -> str:
-    """16 hex digits over what the tokenizer gives: its vocabulary (token -> id, added tokens included), the
-    ids of a probe text with its special tokens, its padding id. Equal for two folders that tokenize alike
-    (whatever their paths, file dates or the tokenizers library's way of saving them); another vocabulary,
-    casing or special token changes it."""
+    """16 hex digits over what the tokenizer gives.
+
+    That is its vocabulary (token -> id, added tokens included), the ids of a probe text with its special tokens,
+    and its padding id. Equal for two folders that tokenize alike (whatever their paths, file dates or the
+    tokenizers library's way of saving them); another vocabulary, casing or special token changes it."""
     h = hashlib.blake2b(digest_size=8)
     h.update(json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False).encode())
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id   # as infjax pads
@@ -131,8 +143,10 @@ def fingerprint(tokenizer) -> str:
 
 
 def _check_vocabulary(path: str, config: dict, tokenizer, weights: bool) -> None:
-    """Every id of the tokenizer is a row of the embedding table; with the weights read, the tokenizer covers
-    at least MIN_VOCAB_SHARE of the table."""
+    """Refuse a tokenizer that does not fit the embedding table.
+
+    Every id it gives must be a row of the table; with the weights read, it must cover at least MIN_VOCAB_SHARE
+    of the table."""
     rows = config.get("vocab_size")
     if not isinstance(rows, int) or isinstance(rows, bool) or rows <= 0:
         return                                   # the family's config check names the key
@@ -149,8 +163,9 @@ def _check_vocabulary(path: str, config: dict, tokenizer, weights: bool) -> None
 
 
 def read_modules(path: str) -> list[dict]:
-    """The modules modules.json names ([] without the file), each with what it needs; one line naming the
-    module and its missing file."""
+    """The modules modules.json names ([] without the file), each with what it needs.
+
+    A module that lacks a file is one line naming the module and the file."""
     file = os.path.join(path, MODULES_FILE)
     if not os.path.isfile(file):
         return []
@@ -182,8 +197,10 @@ def read_modules(path: str) -> list[dict]:
 
 
 def pooling_of(config_file: str, remedy: str = "") -> str | None | bool:
-    """The pooling a sentence-transformers Pooling config names: infjax's name (mean | cls | last), None for a
-    mode infjax does not compute (max, mean_sqrt_len, weightedmean, or several at once), False for none."""
+    """The pooling a sentence-transformers Pooling config names, in infjax's name (mean | cls | last).
+
+    None for a mode infjax does not compute (max, mean_sqrt_len, weightedmean, or several at once), False for
+    none."""
     cfg = _read_json(config_file, remedy or "copy it again")
     if not isinstance(cfg, dict):
         raise FolderUnusable(f"{config_file}: expected a JSON object; {remedy or 'copy it again'}")
@@ -201,7 +218,8 @@ class PoolingUnread(FolderUnusable):
 
 
 def pooling(path: str) -> str | None:
-    """The pooling a sentence-transformers folder names (mean | cls | last), or None: it has no Pooling module.
+    """The pooling a sentence-transformers folder names (mean | cls | last), or None: no Pooling module.
+
     A mode infjax does not compute (max, mean_sqrt_len, weightedmean) is `PoolingUnread`, naming the file."""
     for module in read_modules(path):
         if _module_type(module) == "Pooling":
@@ -257,8 +275,10 @@ def record(path: str) -> dict:
 
 
 def other_tokenizer(saved: dict | None, current: dict) -> str | None:
-    """Why the tokenizer `current` (`record`) is not the one a run recorded, or None (the same, or nothing
-    recorded: a run saved before tokenizers were recorded)."""
+    """Why the tokenizer `current` (`record`) is not the one a run recorded, or None.
+
+    None also where nothing was recorded: a checkpoint written by a tool, not by the trainer (a resume refuses
+    those, training/resume.py; a restore for export or evaluation reads them)."""
     if not saved or not current or saved.get("fingerprint") in (None, current["fingerprint"]):
         return None
     return (f"the run was trained with the tokenizer of {saved.get('folder')} ({saved.get('tokens')} tokens, "
@@ -267,9 +287,11 @@ def other_tokenizer(saved: dict | None, current: dict) -> str | None:
 
 
 def infjax_reads(path: str) -> str | None:
-    """Why infjax's encoder would not encode the sentence-transformers folder `path` (one `check` accepted) as
-    sentence-transformers does (a family, a module, a pooling mode or a text setting it does not have), or None:
-    it does (the same weights, pooling, normalization, prompts and max_seq_length), so it may stand in."""
+    """Why infjax's encoder would not encode the sentence-transformers folder `path` as it does, or None.
+
+    `path` is one that `check` accepted. A reason is a family, a module, a pooling mode or a text setting infjax
+    does not have; None: infjax reads it with the same weights, pooling, normalization, prompts and
+    max_seq_length, so it may stand in for sentence-transformers."""
     modules = read_modules(path)
     if not modules:
         return f"{path} has no {MODULES_FILE}"
@@ -302,3 +324,52 @@ def infjax_reads(path: str) -> str | None:
         if isinstance(cfg, dict) and cfg.get("do_lower_case"):
             return f"it lowercases texts before its tokenizer ({ST_CONFIG_FILE}: do_lower_case)"
     return None
+
+
+def towers(path: str) -> dict[str, str]:
+    """{"query": DIR/query, "passage": DIR/passage} for a folder of two encoders, else {}.
+
+    Such a folder (infjax.export of a run with separate encoders) has no config.json of its own."""
+    found = {t: os.path.join(path, t) for t in TOWERS}
+    if os.path.isfile(os.path.join(path, "config.json")) or not all(
+            os.path.isfile(os.path.join(p, "config.json")) for p in found.values()):
+        return {}
+    return found
+
+
+def st_max_seq_length(path: str) -> int | None:
+    """The max_seq_length a sentence-transformers folder declares (ST_CONFIG_FILE), or None."""
+    try:
+        with open(os.path.join(path, ST_CONFIG_FILE), encoding="utf-8") as f:
+            value = json.load(f).get("max_seq_length")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def st_prompts(path: str) -> tuple[str | None, str | None]:
+    """The (query, document) prompts a sentence-transformers folder declares (None where it declares none)."""
+    try:
+        with open(os.path.join(path, ST_PROMPTS_FILE), encoding="utf-8") as f:
+            prompts = json.load(f).get("prompts") or {}
+    except (OSError, ValueError, AttributeError):
+        return None, None
+    return prompts.get("query") or None, prompts.get("document") or prompts.get("passage") or None
+
+
+def check_lengths(path: str, lengths: Mapping[str, int | None], error: type[Exception] = FolderUnusable,
+                  config: Mapping | None = None) -> None:
+    """Refuse a length past the position table of the model in folder `path`, in one line.
+
+    Past its table (config.json's `max_position_embeddings`) an encoder computes NaN or garbage for every token
+    from there on. `lengths` maps how the caller names each value (`--query_max_len`,
+    `config.data.query_max_len`) to the value (None: not given); the first one past the table raises `error`,
+    naming it, the table and the file. `config`: config.json's dict when the caller holds it already. A model
+    whose config.json names no table is not checked."""
+    table = (config if config is not None else hf_files.load_hf_config(path)).get("max_position_embeddings")
+    if not isinstance(table, int):
+        return
+    for name, value in lengths.items():
+        if value is not None and value > table:
+            raise error(f"{name}={value} exceeds the model's position table (max_position_embeddings={table} in "
+                        f"{path}/config.json); give at most {table}")

@@ -35,9 +35,11 @@ from infjax.models.lora import LoraDense, LoraSpec
 
 
 def gelu_erf(x: jax.Array) -> jax.Array:
-    """The exact GELU as torch computes it, ``x/2 * (1 + erf(x/sqrt(2)))``. ``jax.nn.gelu(approximate=False)``
-    goes through ``erfc`` instead (more exact far in the negative tail, by < 1e-6 absolute): XLA:CPU runs
-    that as two branch-selecting fusions, and a MiniLM train step at 64/256 tokens takes ~10% longer."""
+    """The exact GELU as torch computes it, ``x/2 * (1 + erf(x/sqrt(2)))``.
+
+    ``jax.nn.gelu(approximate=False)`` goes through ``erfc`` instead (more exact far in the negative tail, by < 1e-6
+    absolute): XLA:CPU runs that as two branch-selecting fusions, and a MiniLM train step at 64/256 tokens takes ~10%
+    longer."""
     return 0.5 * x * (1 + jax.lax.erf(x * np.asarray(2 ** -0.5, x.dtype)))
 
 
@@ -67,10 +69,11 @@ def activation(name: str, source: str = "config.json", key: str = "hidden_act") 
 
 def dense(features: int, name: str, *, use_bias: bool, dtype: Any, param_dtype: Any,
           std: float = 0.02, lora: LoraSpec | None = None, role: str | None = None) -> Callable:
-    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in]; its kernel and bias
-    gradients are float32 sums (`precision.Dense`). With a `lora` spec that names its `role` (q, k, v, o, gate,
-    up, down, or a fused qkv / gate_up), it carries an adapter. Its output is named by its role for the remat
-    policies (models/remat.py)."""
+    """A Linear layer; kernel [in, out] is the transpose of the HF ``weight`` [out, in].
+
+    Its kernel and bias gradients are float32 sums (`precision.Dense`). With a `lora` spec that names its `role` (q, k,
+    v, o, gate, up, down, or a fused qkv / gate_up), it carries an adapter. Its output is named by its role for the
+    remat policies (models/remat.py)."""
     kw = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
               kernel_init=nn.initializers.normal(stddev=std), name=name)
     module = LoraDense(features, lora=lora, **kw) if lora is not None and lora.applies(role) else \
@@ -96,9 +99,10 @@ class RMSNorm(nn.Module):
 
 def layer_norm(epsilon: float, name: str, *, dtype: Any, param_dtype: Any, use_bias: bool = False,
                two_pass_variance: bool = True) -> nn.LayerNorm:
-    """LayerNorm; `two_pass_variance` computes the variance as torch does (ModernBERT's norms have no
-    bias). BERT keeps flax's one-pass variance, which its checkpoints and runs were trained and tested
-    with (the two differ by ~1e-6 on MiniLM; changing it would change every BERT run's numbers)."""
+    """LayerNorm; `two_pass_variance` computes the variance as torch does (ModernBERT's norms have no bias).
+
+    BERT keeps flax's one-pass variance, which its checkpoints and runs were trained and tested with (the two differ by
+    ~1e-6 on MiniLM; changing it would change every BERT run's numbers)."""
     return nn.LayerNorm(epsilon=epsilon, use_bias=use_bias, use_fast_variance=not two_pass_variance,
                         dtype=dtype, param_dtype=param_dtype, name=name)
 

@@ -177,8 +177,9 @@ def adapters_of(tree: Mapping) -> dict:
 
 
 def init_adapters(abstract: Mapping, rng: jax.Array) -> dict:
-    """Adapter values for the adapter leaves of `abstract` (a LoRA module's parameter shapes): A uniform in
-    +-1/sqrt(in) (PEFT's kaiming-uniform default; in = the second-to-last dimension, also for stacked
+    """Adapter values for the adapter leaves of `abstract` (a LoRA module's parameter shapes).
+
+    A uniform in +-1/sqrt(in) (PEFT's kaiming-uniform default; in = the second-to-last dimension, also for stacked
     layers), B zero. Host float32 arrays; each A's draw folds its path into `rng`."""
     adapters = adapters_of(abstract)
 
@@ -203,12 +204,6 @@ def merge(tree: Mapping, spec: LoraSpec) -> dict:
         out["kernel"] = (kernel + np.float32(spec.scale) * np.matmul(a, b)).astype(np.float32)
         return out
     return {k: merge(v, spec) for k, v in tree.items()}
-
-
-def adapter_count(tree) -> int:
-    """Parameters in the adapters of a tree."""
-    return sum(int(np.prod(x.shape)) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
-               if _is_adapter_path(p))
 
 
 def cast_floating(tree, dtype: Any):

@@ -60,11 +60,13 @@ def add(stream: jax.Array, branch: jax.Array) -> jax.Array:
 
 
 def in_float32(fn: Callable[[jax.Array], jax.Array]) -> Callable[[jax.Array], jax.Array]:
-    """An elementwise activation `fn` (GELU, SiLU) that, on a lower-precision input, computes in float32 and rounds
-    once to the input's dtype, forward and backward, as torch's kernels compute a bf16 activation. Left to XLA in
-    bfloat16, GELU is a chain of bf16 operations, each rounded (MiniLM's gradients were then further from float32
-    than autocast's on 84 of 101 leaves, 31 with this). The backward recomputes from the saved low-precision
-    input: no float32 copy of the activation is kept. A float32 input is `fn`'s own, autodiff and all."""
+    """An elementwise activation `fn` (GELU, SiLU) computed in float32 on a lower-precision input.
+
+    On a lower-precision input it computes in float32 and rounds once to the input's dtype, forward and backward, as
+    torch's kernels compute a bf16 activation. Left to XLA in bfloat16, GELU is a chain of bf16 operations, each
+    rounded (MiniLM's gradients were then further from float32 than autocast's on 84 of 101 leaves, 31 with this). The
+    backward recomputes from the saved low-precision input: no float32 copy of the activation is kept. A float32 input
+    is `fn`'s own, autodiff and all."""
 
     @jax.custom_vjp
     def low(x):
@@ -98,12 +100,13 @@ def spread(param: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
 
 
 def matmul(x: jax.Array, kernel: jax.Array, dtype: Any, out_dtype: Any = None) -> jax.Array:
-    """`x @ kernel` over x's last axis, in `dtype` (the output in `out_dtype`, default `dtype`), for a float32
-    `kernel` [in, out]. In a lower precision (bf16) the kernel's gradient, a sum over every row and token of x, is
-    computed by a dot whose output is float32 (`preferred_element_type`) and goes to the parameter without a
-    rounding to `dtype`: a bf16 dot's accumulation type is otherwise left to the backend (XLA:CPU in jax 0.12
-    sums such products with a 10% error at a few thousand tokens). In float32 it is flax's product, autodiff
-    and all: the same numbers as before, bit for bit."""
+    """`x @ kernel` over x's last axis, in `dtype` (the output in `out_dtype`, default `dtype`).
+
+    For a float32 `kernel` [in, out]. In a lower precision (bf16) the kernel's gradient, a sum over every row and token
+    of x, is computed by a dot whose output is float32 (`preferred_element_type`) and goes to the parameter without a
+    rounding to `dtype`: a bf16 dot's accumulation type is otherwise left to the backend (XLA:CPU in jax 0.12 sums such
+    products with a 10% error at a few thousand tokens). In float32 it is flax's product, autodiff and all: the same
+    numbers as before, bit for bit."""
     dtype, out_dtype = jnp.dtype(dtype or kernel.dtype), jnp.dtype(out_dtype or dtype or kernel.dtype)
     if dtype == kernel.dtype and jnp.finfo(dtype).bits >= 32:      # float32 compute: autodiff's own dot already
         return _product(x.astype(dtype), kernel, out_dtype)            # sums and returns the gradient in float32

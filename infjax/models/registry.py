@@ -3,13 +3,15 @@
 Adding a family is a model file (Flax module, config parsed from HF's
 config.json, `HF_NAMES`: its Hugging Face name map) plus one `Family` entry
 here. Everything else (loading, partition rules, export, default pooling,
-padding side, config validation) reads this table.
+padding side, config validation) reads this table. What the module and its
+config must offer is written down as two protocols, `Backbone` and
+`BackboneConfig` (tests/models/test_registry.py checks every family).
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -25,10 +27,47 @@ EMBED = P("tensor", "fsdp")        # [vocab, hidden]
 REPLICATED = P()
 
 
+@runtime_checkable
+class BackboneConfig(Protocol):
+    """What infjax reads of a family's config: a dataclass parsed from Hugging Face's config.json.
+
+    `from_hf_dict(config.json dict, source)` builds it (ValueError names `source` and the key); it has a `lora`
+    field, which `dataclasses.replace(config, lora=spec)` sets to give the module adapters (models/lora.py)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int                      # what the attention kernels are chosen by (models/attention.py)
+    lora: Any                          # a models.lora.LoraSpec, or None: the backbone trains whole
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any], source: str = "config.json") -> "BackboneConfig": ...
+
+
+@runtime_checkable
+class Backbone(Protocol):
+    """What infjax reads of a family's Flax module (models/encoder.py's Encoder, `Family.load`, `of_module`).
+
+    Built as `module(config, dtype=, residual=, remat=, scan_layers=)`; `clone(**fields)` (flax) changes a field
+    (remat, activation_sharding, config); `apply({"params": p}, ids, segment_ids, deterministic=, rngs=)` gives
+    the token states [N, L, hidden_size]."""
+
+    config: BackboneConfig
+    dtype: Any                         # the compute dtype (models/precision.py)
+    residual: str                      # the residual stream's dtype under a lower `dtype`
+    remat: Any                         # what each layer keeps for the backward pass (models/remat.py)
+    scan_layers: bool                  # the layers run under nn.scan, parameters stacked under `layers`
+    activation_sharding: Any           # of the [B, L, H] activations between layers, or None
+
+    def clone(self, **overrides) -> "Backbone": ...
+
+    def apply(self, variables, *args, **kwargs): ...
+
+
 class Loaded(NamedTuple):
     """A checkpoint read by `Family.load`."""
 
-    module: Any                        # the family's Flax module, built for the checkpoint's config
+    module: Backbone                   # the family's Flax module, built for the checkpoint's config
     params: dict                       # host float32 arrays (ShapeDtypeStructs without weights)
     hf_config: dict                    # its config.json
     path: str                          # the local folder it was read from
@@ -59,10 +98,10 @@ class Family:
              weights: bool = True, lora: Any = None, residual: str = "float32") -> Loaded:
         """Resolve, read and map a checkpoint of this family: ``(module, params, hf_config_dict, path)``.
 
-        ``module`` computes in ``dtype``, its residual stream in `residual`'s dtype (models/precision.py); ``params`` are host float32 arrays, stacked under ``layers``
-        with ``scan_layers``. Without ``weights`` only config.json is read and ``params`` are the tree's
-        ShapeDtypeStructs. With a ``lora`` spec (models/lora.py) the module carries adapters where it
-        says; ``params`` are still the checkpoint's (the adapters are made by the caller).
+        ``module`` computes in ``dtype``, its residual stream in `residual`'s dtype (models/precision.py); ``params``
+        are host float32 arrays, stacked under ``layers`` with ``scan_layers``. Without ``weights`` only config.json is
+        read and ``params`` are the tree's ShapeDtypeStructs. With a ``lora`` spec (models/lora.py) the module carries
+        adapters where it says; ``params`` are still the checkpoint's (the adapters are made by the caller).
         """
         path = hf_files.resolve_checkpoint(name_or_path)
         hf_config = hf_files.load_hf_config(path)

@@ -33,9 +33,10 @@ class CheckpointReadError(UserError, RuntimeError):
 
 
 def _one_line(error: BaseException) -> str:
-    """The first line of an error (TensorStore's messages run to 20 lines), with its type. Orbax wraps a failed
-    array read in an exception whose text is the array's whole TensorStore spec: the error inside it (which names
-    the array, the file and what is wrong) is the one given."""
+    """The first line of an error (TensorStore's messages run to 20 lines), with its type.
+
+    Orbax wraps a failed array read in an exception whose text is the array's whole TensorStore spec: the error inside
+    it (which names the array, the file and what is wrong) is the one given."""
     if "TensorStore details" in str(error):
         inner = error
         while inner.__cause__ is not None or inner.__context__ is not None:

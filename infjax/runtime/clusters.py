@@ -1,5 +1,7 @@
-"""Which kind of job this process belongs to, and what to pass `jax.distributed.initialize`: read from the
-environment alone (no device is touched), so that every choice is a pure function of a dictionary.
+"""Which kind of job this process belongs to, and what to pass `jax.distributed.initialize`.
+
+Both are read from the environment alone (no device is touched), so that every choice is a pure function of a
+dictionary.
 
 JAX detects clusters itself (`jax/_src/clusters/`), but for a GPU job it then gives each process ONE device,
 the one numbered like its local task (`SLURM_LOCALID`, `OMPI_COMM_WORLD_LOCAL_RANK`): right for one task per
@@ -178,11 +180,13 @@ def _gpu_list(env) -> list[str] | None:
 
 
 def check_slurm_gpus(env) -> None:
-    """SLURM allocated GPUs (SLURM_STEP_GPUS / SLURM_JOB_GPUS) but CUDA_VISIBLE_DEVICES, which srun sets with them,
-    is missing: a container or wrapper dropped it. SLURM's numbers are its own (the GPUs' order in gres.conf);
-    CUDA numbers the GPUs it is shown from 0, in its own order, and where the job's cgroup hides the other GPUs
-    it shows only these. Which CUDA devices are this task's cannot be told from here, and guessing takes GPUs of
-    other jobs: refused, with the fix."""
+    """Refuse, with the fix, a SLURM job whose GPUs are allocated while CUDA_VISIBLE_DEVICES is missing.
+
+    SLURM allocated GPUs (SLURM_STEP_GPUS / SLURM_JOB_GPUS) but CUDA_VISIBLE_DEVICES, which srun sets with them, is
+    missing: a container or wrapper dropped it. SLURM's numbers are its own (the GPUs' order in gres.conf); CUDA
+    numbers the GPUs it is shown from 0, in its own order, and where the job's cgroup hides the other GPUs it shows
+    only these. Which CUDA devices are this task's cannot be told from here, and guessing takes GPUs of other jobs:
+    refused, with the fix."""
     if env.get(CUDA_VISIBLE) is not None:
         return
     for key in SLURM_GPUS:
@@ -197,9 +201,10 @@ def check_slurm_gpus(env) -> None:
 
 def share_gpus(env, tasks_on_node: int, local_rank: int, per_task: int | None, scheduler: str
                ) -> tuple[tuple[int, ...] | None, int | None, str]:
-    """(local device ids for JAX, the GPUs allocated to this task, where that comes from) for the task of
-    rank `local_rank` among `tasks_on_node` tasks on its node. Ids count the GPUs CUDA shows the process
-    (CUDA_VISIBLE_DEVICES renumbers them from 0)."""
+    """(local device ids for JAX, the GPUs allocated to this task, where that comes from) for one task.
+
+    The task is that of rank `local_rank` among `tasks_on_node` tasks on its node. Ids count the GPUs CUDA shows the
+    process (CUDA_VISIBLE_DEVICES renumbers them from 0)."""
     gpus = _gpu_list(env)
     if gpus is None:
         if tasks_on_node == 1:

@@ -84,9 +84,10 @@ HARDWARE = {"cuda": "NVIDIA GPU", "rocm": "AMD GPU", "tpu": "TPU chip"}     # wh
 
 
 def hardware_visible(plugin: str) -> bool | None:
-    """Whether this machine shows the hardware `plugin` drives, by JAX's own probes (no driver call): an NVIDIA GPU
-    device file for CUDA, a TPU chip on the PCI bus for libtpu. None where that cannot be told (another plugin,
-    another JAX): such a plugin counts as usable."""
+    """Whether this machine shows the hardware `plugin` drives, by JAX's own probes (no driver call).
+
+    The probes: an NVIDIA GPU device file for CUDA, a TPU chip on the PCI bus for libtpu. None where that cannot be
+    told (another plugin, another JAX): such a plugin counts as usable."""
     try:
         from jax._src import hardware_utils     # stdlib-only probes; importing it imports jax, not its backends
     except ImportError:
@@ -109,9 +110,11 @@ def unusable_plugins() -> tuple[list[str], list[str]]:
 
 
 def runs_on_cpu(env) -> bool:
-    """Whether JAX's default backend will be the CPU, decided without starting its backends: JAX_PLATFORMS when
-    set, else whether no accelerator plugin is installed whose hardware this machine shows (an installed CUDA
-    plugin on a machine without an NVIDIA GPU, or libtpu off a TPU VM, runs on the CPU: `platform.choose`)."""
+    """Whether JAX's default backend will be the CPU, decided without starting its backends.
+
+    JAX_PLATFORMS when set, else whether no accelerator plugin is installed whose hardware this machine shows (an
+    installed CUDA plugin on a machine without an NVIDIA GPU, or libtpu off a TPU VM, runs on the CPU:
+    `platform.choose`)."""
     platforms = env.get("JAX_PLATFORMS", "")
     if platforms:
         return platforms.split(",")[0].strip() == "cpu"
@@ -189,9 +192,10 @@ TOKENS_PER_SHARD = 1024    # on CPU, at most this many tokens per batch shard in
 
 
 def cap_call_tokens(tokens: int, mesh, shards: int) -> int:
-    """`tokens` of one packed encoder call, capped on CPU at 1,024 per batch shard (`shards` of them), so a
-    call's activations stay in the caches (MiniLM at max_len 128 on 2 cores: 8,192-token calls encode
-    ~62 docs/s, 1,024-token calls ~85); accelerators take big calls that keep their matrix units busy."""
+    """`tokens` of one packed encoder call, capped on CPU at 1,024 per batch shard (`shards` of them).
+
+    The cap keeps a call's activations in the caches (MiniLM at max_len 128 on 2 cores: 8,192-token calls encode ~62
+    docs/s, 1,024-token calls ~85); accelerators take big calls that keep their matrix units busy."""
     return min(tokens, TOKENS_PER_SHARD * shards) if on_cpu(mesh) else tokens
 
 

@@ -1,40 +1,38 @@
-"""Multi-host start-up: one call to `jax.distributed.initialize`, before any device is used.
+"""Multi-host start-up, agreement across processes, and the watch of the other processes.
 
-`initialize()` reads the job's layout from the environment (`infjax/runtime/clusters.py`: SLURM's srun, Open
-MPI's mpirun, TPU pods, `INFJAX_COORDINATOR`, or one process), gives JAX the devices this process owns, and logs
-one start-up line on every process: the cluster, process i of N, its local devices and the global count. What
-cannot work stops there in one line naming the change to make (exit status 2), before any work.
+Start-up: `initialize()` reads the job's layout from the environment (`infjax/runtime/clusters.py`: SLURM's
+srun, Open MPI's mpirun, TPU pods, `INFJAX_COORDINATOR`, or one process), gives `jax.distributed.initialize` the
+devices this process owns, once, before any device is used, and logs one start-up line on every process: the
+cluster, process i of N, its local devices and the global count. What cannot work stops there in one line
+naming the change to make (exit status 2), before any work.
 
-Processes that meet at one coordinator must be one job. Process 0 claims the coordinator's port first and refuses
-one that is taken (JAX's service binds with SO_REUSEPORT, so a second job's would start on it and the two jobs
-would mix); a process on the coordinator's host checks who holds the claim before it registers; once connected,
-every process compares what must be alike (`job_identity`: the config and workdir, the launch id, the process
-count) and its device count, and all refuse with the same line naming what differs.
+One job: processes that meet at one coordinator must be one job. Process 0 claims the coordinator's port first
+(`infjax/runtime/ports.py`); once connected, every process compares what must be alike (`job_identity`: the
+config and workdir, the launch id, the process count) and its device count, and all refuse with the same line
+naming what differs.
 
-Waiting for the other processes is visible: a line every minute or so (a quarter of the timeout when that is
-shorter) with the time waited, the timeout and what this process can tell (whether process 0's coordinator
-answers). INFJAX_INIT_TIMEOUT (seconds, default 30 min: the hosts of a large job start minutes apart) ends the
-wait with one infjax line and exit status 3, before the runtime's own abort.
+Waiting: a line every minute or so (a quarter of the timeout when that is shorter) with the time waited, the
+timeout and what this process can tell (`Waiting`). INFJAX_INIT_TIMEOUT (seconds, default 30 min: the hosts of
+a large job start minutes apart) ends the wait with one infjax line and exit status 3, before the runtime's own
+abort.
 
-When one process stops, the others must say so in one line rather than wait in a collective for it:
-`all_or_none` ends the start-up of every process when one of them could not start, `lost_process` recognises
-the error a collective raises when another process is gone, and a watcher thread ends this process when a peer
-has given no sign of life for INFJAX_PEER_TIMEOUT seconds (default 60; each process writes a counter into the
-coordination service every few seconds), before JAX's own heartbeat timeout would abort it with a C++ dump. The
-line names what to resume from (`on_lost`). `leave` ends a process without the runtime's shutdown, which would
-wait for the lost process and abort. CPU processes exchange collectives through gloo.
+A process that stops: the others say so in one line rather than wait in a collective for it. `all_or_none` ends
+the start-up of every process when one could not start; `lost_process` recognises the error a collective raises
+when another process is gone; `PeerWatch` ends this process when a peer has given no sign of life for
+INFJAX_PEER_TIMEOUT seconds (default 60; each process writes a counter into the coordination service every few
+seconds), before JAX's own heartbeat timeout would abort it with a C++ dump, in a line naming what to resume from
+(`on_lost`). `leave` ends a process without the runtime's shutdown, which would wait for the lost process and
+abort. CPU processes exchange collectives through gloo.
 """
 from __future__ import annotations
 
 import atexit
 import collections
 import contextlib
-import errno
 import json
 import logging
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -44,7 +42,7 @@ import numpy as np
 from jax._src import cloud_tpu_init, distributed as jax_distributed   # what JAX found and connected
 
 from infjax import errors
-from infjax.runtime import clusters, cpu as runtime_cpu, platform
+from infjax.runtime import clusters, cpu as runtime_cpu, platform, ports
 
 log = logging.getLogger("infjax.distributed")
 
@@ -89,16 +87,6 @@ def _kinds(devices) -> str:
     return ", ".join(f"{n} x {k}" for k, n in collections.Counter(d.device_kind for d in devices).items())
 
 
-def _answers(address: str, timeout: float = 2.0) -> bool:
-    """Whether something accepts TCP connections at host:port."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
 def _minutes(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
@@ -109,7 +97,7 @@ def _minutes(seconds: float) -> str:
 class Waiting:
     """The lines of a process waiting in `jax.distributed.initialize` for the others (what it can tell)."""
 
-    def __init__(self, layout: clusters.Layout, timeout: int, probe=_answers):
+    def __init__(self, layout: clusters.Layout, timeout: int, probe=ports.answers):
         self.layout, self.timeout, self.probe = layout, timeout, probe
         self.interval = max(1.0, min(60.0, timeout / 4))
 
@@ -154,8 +142,11 @@ class Waiting:
 
 @contextlib.contextmanager
 def _visible_wait(waiting: Waiting, clock=time.monotonic):
-    """Inside: `jax.distributed.initialize`. A line every `waiting.interval` s; at the timeout, one line and
-    exit status 3 (before the runtime's own timeout, which aborts with a C++ dump)."""
+    """Inside: `jax.distributed.initialize`, its wait made visible and bounded.
+
+    A line every `waiting.interval` s; at the timeout, one line and exit status 3 (before the runtime's own
+    timeout, which aborts with a C++ dump).
+    """
     done = threading.Event()
     start = clock()
 
@@ -177,9 +168,11 @@ def _visible_wait(waiting: Waiting, clock=time.monotonic):
 
 def initialize(env=None, job: dict | None = None) -> dict:
     """Join this process's job (if it is one) and log the start-up line; returns the process and device counts.
+
     `job`: what every process of one job has alike (infjax.train: the resolved config and the workdir; default:
     the command line's arguments). Raises ClusterError (exit status 2, one line) where the environment describes
-    a job that cannot start, or where the processes that met are not one job."""
+    a job that cannot start, or where the processes that met are not one job.
+    """
     env = os.environ if env is None else env
     timeout = _seconds(env, "INFJAX_INIT_TIMEOUT", DEFAULT_TIMEOUT_S)
     peer_timeout = _seconds(env, "INFJAX_PEER_TIMEOUT", DEFAULT_PEER_TIMEOUT_S)
@@ -187,14 +180,14 @@ def initialize(env=None, job: dict | None = None) -> dict:
     identity = job_identity(layout, job)
     if layout.distributed and not jax.distributed.is_initialized():
         runtime_cpu.use_collectives(env)
-        claim_coordinator_port(layout, identity, env)
+        ports.claim_coordinator_port(layout, identity, env, stop=_stop_now)
         with _visible_wait(Waiting(layout, timeout)):
-            await_own_coordinator(layout, identity, env, timeout)
+            ports.await_own_coordinator(layout, identity, env, timeout)
             # JAX's own timeouts lie beyond infjax's, so that infjax's line comes first
             jax.distributed.initialize(initialization_timeout=timeout + 120,
                                        heartbeat_timeout_seconds=max(JAX_MIN_HEARTBEAT_S, peer_timeout + 60),
                                        **layout.jax_arguments())
-        _starting.clear()
+        ports.started()
     info = dict(process_index=jax.process_index(), process_count=jax.process_count(),
                 local_devices=jax.local_device_count(), global_devices=jax.device_count(),
                 platform=platform.name(), cluster=layout.describe())
@@ -208,14 +201,10 @@ def initialize(env=None, job: dict | None = None) -> dict:
     return info
 
 
-# ---- one job is one job: the coordinator's port, and what the processes that met have alike ----------------
+# ---- one job is one job: what the processes that met have alike -----------------------------------------
 
-_starting = threading.Event()       # set while this process waits in jax.distributed.initialize
-_starting.set()
-_claim: list = []                   # the claim on the coordinator's port, held for the process's life
 _PROCESS_COUNT = {"INFJAX_COORDINATOR": "INFJAX_NUM_PROCESSES", "SLURM": "SLURM_NTASKS",
                   "Open MPI": "OMPI_COMM_WORLD_SIZE"}
-_PROCESS_ID = {"INFJAX_COORDINATOR": "INFJAX_PROCESS_ID", "SLURM": "SLURM_PROCID", "Open MPI": "OMPI_COMM_WORLD_RANK"}
 
 
 def job_identity(layout: clusters.Layout, job: dict | None) -> dict:
@@ -251,16 +240,6 @@ def _who_has(values: dict[int, object]) -> str:
     return "; ".join(parts)
 
 
-def _port_fix(layout: clusters.Layout) -> str:
-    if layout.kind == "INFJAX_COORDINATOR":
-        return ("give each job its own port in INFJAX_COORDINATOR; with launch/local.sh, another INFJAX_PORT or none "
-                "(a free one)")
-    if layout.kind == "SLURM":
-        return ("JAX derives the port from the SLURM job id, so jobs whose ids differ by a multiple of 4096 get the "
-                "same one: set JAX_COORDINATOR_PORT to a free port for this job")
-    return "set JAX_COORDINATOR_PORT to a free port for this job"
-
-
 def disagreement(identities: dict[int, dict], layout: clusters.Layout) -> str | None:
     """The line that refuses processes which met at one coordinator but do not have `job_identity` alike (two
     jobs on one port, or processes started with other flags); None where they agree."""
@@ -274,7 +253,7 @@ def disagreement(identities: dict[int, dict], layout: clusters.Layout) -> str | 
     more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
     at = f" at {layout.coordinator}" if layout.coordinator else ""
     return (f"the {len(identities)} processes that met at the coordinator{at} are not one job: they differ in "
-            f"{', '.join(shown)}{more}. Either two jobs share the coordinator's port: {_port_fix(layout)}; or the "
+            f"{', '.join(shown)}{more}. Either two jobs share the coordinator's port: {ports.port_fix(layout)}; or the "
             f"processes of one job were started with different flags or variables: start every process of a job "
             f"with the same config, workdir and process count")
 
@@ -323,214 +302,6 @@ def agree_on_job(layout: clusters.Layout, identity: dict, timeout: int) -> None:
         raise clusters.ClusterError(line)
 
 
-def _coordinator_port(layout: clusters.Layout, env) -> int | None:
-    """The port process 0's coordination service binds (JAX: that of JAX_COORDINATOR_BIND_ADDRESS, else the
-    coordinator's); None where JAX finds the coordinator itself."""
-    address = env.get("JAX_COORDINATOR_BIND_ADDRESS") or layout.coordinator
-    if layout.jax_detects or address is None:
-        return None
-    return int(address.rsplit(":", 1)[1])
-
-
-def _claim_name(port: int) -> str:
-    # An abstract Unix socket: one per network namespace (as the port is), gone when its process ends.
-    return f"\0infjax/coordinator-port/{port}"
-
-
-def _describe_job(identity: dict) -> str:
-    for key in ("launch", "workdir", "arguments"):
-        if identity.get(key):
-            return f"{key} {identity[key]}"
-    return "another job"
-
-
-def claim_coordinator_port(layout: clusters.Layout, identity: dict, env) -> None:
-    """Process 0 only, before it starts the coordination service: refuse a port that is already taken. The gRPC
-    server of JAX's service binds with SO_REUSEPORT, so a second job's service on the same port starts without
-    an error, and the kernel then hands each connecting process to either service: two jobs become two mixed
-    ones. This process holds a claim on the port for its life (an abstract Unix socket named by the port, which
-    a second infjax process cannot bind); a second one asks the holder who it is and says which job holds the
-    port, or that it was also started as process 0 of the same job (then the holder stops too: its job cannot
-    start). A port held by anything else is found by binding it without SO_REUSEPORT."""
-    port = _coordinator_port(layout, env)
-    if port is None or layout.process_id != 0 or _claim:
-        return
-    me = {"pid": os.getpid(), "process_id": layout.process_id, "job": identity}
-    claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        claim.bind(_claim_name(port))
-    except OSError as e:
-        claim.close()
-        if e.errno != errno.EADDRINUSE:
-            return                                   # no abstract sockets here (not Linux): the bind test below
-        raise clusters.ClusterError(_taken(layout, port, _ask_holder(port, me), identity)) from None
-    claim.listen(8)
-    _claim.append(claim)
-    threading.Thread(target=_answer_claims, args=(claim, me, layout, port), name="infjax-port", daemon=True).start()
-    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # a closed job's TIME_WAIT is free
-                probe.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                release_coordinator_port()
-                raise clusters.ClusterError(
-                    f"process 0 of {layout.num_processes}: the coordinator port {port} is already in use on this "
-                    f"host (by a process that is not infjax's, or another job's coordinator): "
-                    f"{_port_fix(layout)}") from None
-            # no IPv6 (or IPv4) on this host: the other family decides
-
-
-def _is_local(host: str) -> bool:
-    """Whether `host` names an address of this host (in this network namespace): one that a socket can bind."""
-    try:
-        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
-    except (OSError, UnicodeError):
-        return False
-    for family, _, _, _, address in infos:
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.bind((address[0], 0))
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def await_own_coordinator(layout: clusters.Layout, identity: dict, env, timeout: int, clock=time.monotonic) -> None:
-    """A process other than 0 whose coordinator is on its own host: before registering with the coordinator,
-    wait until an infjax process holds the port's claim, and refuse where it belongs to another launch (another
-    SLURM job, another launch/local.sh) or already has a process of this job with this id on this host. A process
-    that registers with another job's coordinator is taken there for a restarted process of that job, and JAX's
-    coordination service then aborts every process of that job. Everything else (the coordinator on another host,
-    processes of one launch started with different flags) is for the check after connecting, which every process
-    makes and which refuses all of them alike."""
-    if layout.jax_detects or layout.process_id == 0 or env.get("JAX_COORDINATOR_BIND_ADDRESS") or \
-            not _is_local(layout.coordinator.rsplit(":", 1)[0]):
-        return
-    port = int(layout.coordinator.rsplit(":", 1)[1])
-    me = {"pid": os.getpid(), "process_id": layout.process_id, "job": identity}
-    deadline = clock() + timeout
-    while clock() < deadline:
-        holder = _ask_holder(port, me)
-        if holder is not None:
-            if holder.get("claimed_by") is not None:
-                variable = _PROCESS_ID.get(layout.kind, "process id")
-                raise clusters.ClusterError(
-                    f"process {layout.process_id} of {layout.num_processes}: process {holder['claimed_by']} on this "
-                    f"host was also started as process {layout.process_id} of this job: give each process its own "
-                    f"{variable} (0 .. {layout.num_processes - 1})")
-            if _other_launch((holder.get("job") or {}).get("launch"), identity.get("launch")):
-                raise clusters.ClusterError(
-                    f"process {layout.process_id} of {layout.num_processes}: the coordinator port {port} on this "
-                    f"host is held by another job (process {holder.get('pid')}, {_describe_job(holder.get('job') or {})}"
-                    f"), not by this job's process 0: {_port_fix(layout)}")
-            return
-        if _answers(layout.coordinator, timeout=0.5):
-            return          # served, but by no infjax process of this network namespace: JAX's own checks decide
-        time.sleep(0.2)
-
-
-def release_coordinator_port() -> None:
-    """Give up this process's claim on the coordinator's port (it ends with the process anyway)."""
-    while _claim:
-        with contextlib.suppress(OSError):
-            sock = _claim.pop()
-            sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-
-def _taken(layout: clusters.Layout, port: int, holder: dict | None, identity: dict) -> str:
-    n = layout.num_processes
-    if holder is not None and holder.get("job") == identity:
-        variable = _PROCESS_ID.get(layout.kind, "the process id")
-        return (f"process 0 of {n}: process {holder['pid']} on this host was also started as process 0 of this job "
-                f"and holds its coordinator port {port}: give each process its own {variable} (0 .. {n - 1})")
-    who = f"process {holder['pid']}, {_describe_job(holder['job'])}" if holder else "an infjax process"
-    return (f"process 0 of {n}: the coordinator port {port} on this host is taken by another job ({who}): "
-            f"{_port_fix(layout)}")
-
-
-def _read_line(conn: socket.socket, limit: int = 1 << 22) -> dict | None:
-    data = b""
-    while not data.endswith(b"\n") and len(data) < limit:
-        chunk = conn.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
-
-
-def _ask_holder(port: int, me: dict) -> dict | None:
-    """The holder of the port's claim: its pid, process id and job (None where it does not answer)."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(5)
-            conn.connect(_claim_name(port))
-            conn.sendall(json.dumps(me, sort_keys=True, default=str).encode() + b"\n")
-            return _read_line(conn)
-    except OSError:
-        return None
-
-
-def _other_launch(a: str | None, b: str | None) -> bool:
-    """Whether two launch ids say two jobs (both given and different)."""
-    return bool(a and b and a != b)
-
-
-def _alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
-        return False
-    return True
-
-
-def _answer_claims(claim: socket.socket, me: dict, layout: clusters.Layout, port: int) -> None:
-    """The holder's side: say who holds the port, and whether a live process of this job on this host already
-    asked with the same process id. A second process 0 of this job, or two processes with one id (while this one
-    still waits for the others), mean that the job cannot start: this process stops too, naming them."""
-    asked: dict[int, int] = {}          # process id -> pid of this job's processes on this host that asked
-    variable = _PROCESS_ID.get(layout.kind, "process id")
-    n = layout.num_processes
-    while True:
-        try:
-            conn, _ = claim.accept()
-        except OSError:
-            return
-        with conn:
-            conn.settimeout(5)
-            try:
-                other = _read_line(conn) or {}
-                same = other.get("job") == me["job"]
-                pid, i = other.get("pid"), other.get("process_id")
-                first = asked.get(i) if same and i is not None else None
-                twice = first is not None and first != pid and _alive(first)
-                conn.sendall(json.dumps(dict(me, claimed_by=first if twice else None), sort_keys=True,
-                                        default=str).encode() + b"\n")
-            except OSError:
-                continue
-        if not other:
-            continue
-        if same and i == me["process_id"] and _starting.is_set():
-            _stop_now(f"process 0 of {n}: process {pid} on this host was also started as process 0 of this job (and "
-                      f"was refused the coordinator port {port}): give each process its own {variable} (0 .. {n - 1})",
-                      clusters.ClusterError.exit_code)
-        elif twice and _starting.is_set():
-            _stop_now(f"process 0 of {n}: processes {first} and {pid} on this host were both started as process {i} "
-                      f"of this job: give each process its own {variable} (0 .. {n - 1})",
-                      clusters.ClusterError.exit_code)
-        elif same and i is not None and not twice:
-            asked[i] = pid
-        elif _other_launch((other.get("job") or {}).get("launch"), me["job"].get("launch")):
-            log.warning("a process of another job (process %s, %s) looked for its coordinator on this job's port %d "
-                        "and was refused", pid, _describe_job(other.get("job") or {}), port)
-
-
 def check_allocation(layout: clusters.Layout, local_devices: int) -> None:
     """Stop where the scheduler gave this process more or fewer GPUs than JAX shows it."""
     if layout.allocated is None or layout.allocated == local_devices:
@@ -549,9 +320,12 @@ def check_allocation(layout: clusters.Layout, local_devices: int) -> None:
 
 
 def start_up_line(layout: clusters.Layout) -> str:
-    """E.g. "start-up: SLURM (srun, 1 task per node): process 1 of 2 (coordinator node1:61442); local devices
+    """The start-up line: the cluster, process i of N, the coordinator, this process's devices, the count.
+
+    E.g. "start-up: SLURM (srun, 1 task per node): process 1 of 2 (coordinator node1:61442); local devices
     8-15 (8 x NVIDIA H100 80GB HBM3; JAX given local_device_ids 0-7 of CUDA_VISIBLE_DEVICES=0,...,7); 16
-    devices in all (gpu)"."""
+    devices in all (gpu)".
+    """
     local = jax.local_devices()
     kinds = _kinds(local)
     given = ""
@@ -611,10 +385,13 @@ class ProcessLost(errors.RunStopped):
 
 @contextlib.contextmanager
 def all_or_none(what: str):
-    """Inside: what every process does alone before its first collective (checking its config, reading its
-    files). At the end every process learns whether all got through: one that failed reports its own error;
-    the others raise ProcessStopped naming it, rather than waiting for it in their first collective (a
-    timeout many minutes later). One process: nothing to agree."""
+    """Inside: what every process does alone before its first collective; all go on, or all stop.
+
+    Inside is what each process does alone (checking its config, reading its files). At the end every process
+    learns whether all got through: one that failed reports its own error; the others raise ProcessStopped
+    naming it, rather than waiting for it in their first collective (a timeout many minutes later). One
+    process: nothing to agree.
+    """
     if jax.process_count() == 1:
         yield
         return
@@ -687,9 +464,12 @@ def _stop_now(line: str, code: int) -> None:
 
 
 class PeerWatch:
-    """Every `beat` s, writes this process's counter into the coordination service and reads the others':
-    a process whose counter has not moved for `silent_after` s (and that did not finish) is gone, as is the
-    coordination service when it stops answering for that long. `lost(cause)` is then called once."""
+    """The watch of the other processes: `lost(cause)` is called once when one of them is gone.
+
+    Every `beat` s, writes this process's counter into the coordination service and reads the others': a
+    process whose counter has not moved for `silent_after` s (and that did not finish) is gone, as is the
+    coordination service when it stops answering for that long.
+    """
 
     PREFIX = "infjax/alive/"
 

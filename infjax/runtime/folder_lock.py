@@ -33,9 +33,11 @@ class FolderBusy(UserError):
 
 
 class FolderLock:
-    """The lock of `folder` (a context manager); `flag` (--out, --workdir) and `holder` (an evaluation, a run)
-    name the folder and what holds it in the messages. Disabled (`enabled=False`, e.g. on processes other than
-    0 of a multi-process job, which write nothing there) it does nothing."""
+    """The lock of `folder` (a context manager).
+
+    `flag` (--out, --workdir) and `holder` (an evaluation, a run) name the folder and what holds it in the messages.
+    Disabled (`enabled=False`, e.g. on processes other than 0 of a multi-process job, which write nothing there) it
+    does nothing."""
 
     def __init__(self, folder: str, *, flag: str = "--out", holder: str = "process", enabled: bool = True):
         self.folder, self.flag, self.holder, self.enabled = folder, flag, holder, enabled

@@ -24,13 +24,13 @@ def mesh_shape(mesh_config, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(mesh_config, devices=None) -> Mesh:
-    """A (data, fsdp, tensor) mesh from `config.mesh` (or a dict of the three sizes); an axis of -1 takes
-    the remaining devices.
+    """A (data, fsdp, tensor) mesh from `config.mesh` (or a dict of the three sizes).
 
-    `jax.make_mesh` orders the devices by the physical topology (TPU torus, GPU NVLink islands), so that
-    the innermost axes land on the best-connected devices. Axis types are Auto so that sharding
-    propagation inserts the collectives (e.g. the all-gather behind iq @ p.T with both operands split on
-    data).
+    An axis of -1 takes the remaining devices.
+
+    `jax.make_mesh` orders the devices by the physical topology (TPU torus, GPU NVLink islands), so that the innermost
+    axes land on the best-connected devices. Axis types are Auto so that sharding propagation inserts the collectives
+    (e.g. the all-gather behind iq @ p.T with both operands split on data).
     """
     devices = list(devices if devices is not None else jax.devices())
     data, fsdp, tensor = mesh_shape(mesh_config, len(devices))
@@ -72,10 +72,11 @@ def global_batch(local: dict, mesh: Mesh) -> dict:
 
 
 def from_host(x, sharding) -> jax.Array:
-    """A global array with `sharding` from a value that every process holds whole (a numpy array,
-    a scalar, or a jax.Array). Each process fills only its own devices' shards, so this is how any
-    host value enters a jitted function on a multi-process mesh (jit refuses numpy inputs with a
-    non-replicated sharding there). Always a new array (callers may donate it)."""
+    """A global array with `sharding` from a value that every process holds whole.
+
+    The value is a numpy array, a scalar, or a jax.Array. Each process fills only its own devices' shards, so this is
+    how any host value enters a jitted function on a multi-process mesh (jit refuses numpy inputs with a non-replicated
+    sharding there). Always a new array (callers may donate it)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

@@ -1,5 +1,6 @@
-"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (docs/method.md §6.1; the rules
-themselves are each family's `partition_rules` in infjax/models/registry.py).
+"""Parameter sharding: ordered regex -> PartitionSpec rules per backbone family (docs/method.md §6.1).
+
+The rules themselves are each family's `partition_rules` in infjax/models/registry.py.
 
 A parameter's path is its keys joined by "/" (e.g. "shared/layer_3/attention/query/kernel").
 The FIRST rule whose regex `re.search`es the path gives its PartitionSpec; a path no rule

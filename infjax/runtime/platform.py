@@ -1,5 +1,6 @@
-"""Which devices the program runs on: chosen once at start where an accelerator plugin has no hardware
-(`choose`), said in words for logs and benchmark reports.
+"""Which devices the program runs on: chosen once at start, and said in words for logs and benchmark reports.
+
+The choice (`choose`) is made where an accelerator plugin has no hardware.
 
 With `infjax.models.kernels` (attention per platform) and `infjax.runtime.cpu` (process settings on CPU),
 the only module that asks which platform the program runs on (tests/test_architecture.py).
@@ -51,11 +52,12 @@ def _first_line(text: str) -> str:
 
 
 class _AcceleratorNotStarted(logging.Filter):
-    """JAX's own reports, at backend start, of an accelerator that did not start. A plugin that fails logs a
-    traceback of its internals (`Jax plugin configuration error ...`: the CUDA plugin's cuPTI check, ~19 lines)
-    and JAX goes on with the CPU: each such report becomes the one warning of `_say_once`, naming the plugin
-    and the error's first line. `Unable to initialize backend 'X'` of a platform whose hardware this machine
-    does not show (libtpu.so absent, no IFRT proxy) says nothing a user needs and is dropped."""
+    """JAX's own reports, at backend start, of an accelerator that did not start.
+
+    A plugin that fails logs a traceback of its internals (`Jax plugin configuration error ...`: the CUDA plugin's
+    cuPTI check, ~19 lines) and JAX goes on with the CPU: each such report becomes the one warning of `_say_once`,
+    naming the plugin and the error's first line. `Unable to initialize backend 'X'` of a platform whose hardware this
+    machine does not show (libtpu.so absent, no IFRT proxy) says nothing a user needs and is dropped."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
@@ -93,13 +95,15 @@ _FILTER = _AcceleratorNotStarted()
 
 
 def choose(config=None) -> None:
-    """Before JAX starts its backends (every entry point, first thing): with an accelerator plugin installed but no
-    hardware for it on this machine (the CUDA plugin of a `gpu` install on a machine without an NVIDIA GPU, libtpu
-    off a TPU VM), keep JAX to the CPU, saying so once: JAX would otherwise try the plugin, log its failure as a
-    traceback (or libtpu's start-up errors, and hold libtpu's lock file, /tmp/libtpu_lockfile, that other JAX
-    processes then report), and go on with the CPU anyway. A plugin whose hardware is there but that fails to
-    start is said once too, in one line, without JAX's traceback (`_AcceleratorNotStarted`). JAX_PLATFORMS, when
-    set, decides alone. `config`: JAX's (`jax.config`)."""
+    """Keep JAX to the CPU, saying so once, where an accelerator plugin is installed but its hardware is not here.
+
+    Called before JAX starts its backends (every entry point, first thing): with an accelerator plugin installed but no
+    hardware for it on this machine (the CUDA plugin of a `gpu` install on a machine without an NVIDIA GPU, libtpu off
+    a TPU VM), keep JAX to the CPU, saying so once: JAX would otherwise try the plugin, log its failure as a traceback
+    (or libtpu's start-up errors, and hold libtpu's lock file, /tmp/libtpu_lockfile, that other JAX processes then
+    report), and go on with the CPU anyway. A plugin whose hardware is there but that fails to start is said once too,
+    in one line, without JAX's traceback (`_AcceleratorNotStarted`). JAX_PLATFORMS, when set, decides alone. `config`:
+    JAX's (`jax.config`)."""
     logger = logging.getLogger(JAX_LOGGER)
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)

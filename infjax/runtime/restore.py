@@ -1,4 +1,8 @@
-"""Load a trained model back from a run directory (any saved step), for export and evaluation."""
+"""Load a trained model back from a run directory (any saved step), for export and evaluation.
+
+Whether a folder is a run directory is answered here: `saved_steps` lists its finished checkpoints, and
+`load_run` refuses a folder without one (`NotARunDirectory`, one line naming it).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +60,14 @@ def check_finite(params, where: str) -> None:
 
 
 def saved_steps(workdir: str) -> list[int]:
-    """The complete checkpoint steps of the run in `workdir` (a local folder or an object-store URL)."""
+    """The complete checkpoint steps of the run in `workdir` ([]: no run directory).
+
+    `workdir` is a local folder or an object-store URL."""
     return checkpoint.finished_steps(storage.join(workdir, "checkpoints"))
+
+
+class NotARunDirectory(UserError, FileNotFoundError):
+    """A folder given as a run directory that holds no finished checkpoint."""
 
 
 class BaseNotFound(UserError):
@@ -68,8 +78,10 @@ BASE_FLAG = "--base_checkpoint"      # how export and evaluate name a base check
 
 
 def _base_model(config, workdir: str, base: str | None):
-    """The encoder (shapes only) of the run's config.model, read from `base` when given (a base checkpoint that
-    moved since the run); a base that cannot be found is one line naming BASE_FLAG."""
+    """The encoder (shapes only) of the run's config.model.
+
+    It is read from `base` when given (a base checkpoint that moved since the run); a base that cannot be found
+    is one line naming BASE_FLAG."""
     if base is not None:
         config.model.checkpoint = base
     try:
@@ -95,10 +107,11 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
 
     A LoRA run's checkpoint holds its adapters: they are read, then the base checkpoint's weights (refused if
     they are not the ones the run trained on), and the model is returned with the adapters merged in.
-    `base` reads the base checkpoint from there instead of the saved model.checkpoint (it moved)."""
+    `base` reads the base checkpoint from there instead of the saved model.checkpoint (it moved). A `workdir`
+    without a finished checkpoint is NotARunDirectory, a `step` it did not save FileNotFoundError."""
     steps = saved_steps(workdir)
     if not steps:
-        raise FileNotFoundError(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
+        raise NotARunDirectory(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
     step = steps[-1] if step is None else step
     if step not in steps:
         raise FileNotFoundError(f"{workdir} has no checkpoint for step {step}; saved steps: {steps}")
@@ -109,7 +122,8 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
                                             if k not in ("base_model", folder_lib.TOKENIZER_KEY)})
         encoder, abstract, base_path = _base_model(config, workdir, base)
         refuse_other_tokenizer(workdir, step, saved_config.get(folder_lib.TOKENIZER_KEY), base_path)
-        if encoder.lora is not None:           # a LoRA run saved its adapters (+ head): the base is read later
+        lora = encoder.lora
+        if lora is not None:                   # a LoRA run saved its adapters (+ head): the base is read later
             params = ckpts.restore_params(step, lora_lib.split(abstract)[0], on_host=True)
         else:
             if dtype is not None:
@@ -121,15 +135,16 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     finally:
         ckpts.close()
     check_finite(params, f"{workdir} step {step}")
-    if encoder.lora is not None:
+    if lora is not None:
         return _merged_run(workdir, config, saved_config.get("base_model"), encoder, params, step, mesh, on_host,
                            dtype)
     return RunModel(config, encoder, params, base_path, step)
 
 
 class BaseChanged(UserError):
-    """A run's base checkpoint no longer holds the tokenizer the run trained with, or (LoRA) the weights its
-    adapters were trained on."""
+    """A run's base checkpoint no longer holds what the run trained with.
+
+    That is the tokenizer, or (LoRA) the weights its adapters were trained on."""
 
 
 def refuse_other_tokenizer(workdir: str, step: int, saved: dict | None, base_path: str) -> None:
@@ -143,8 +158,9 @@ def refuse_other_tokenizer(workdir: str, step: int, saved: dict | None, base_pat
 
 def _merged_run(workdir: str, config, base: dict | None, encoder: Encoder, adapters: dict, step: int, mesh,
                 on_host: bool, dtype: str | None) -> RunModel:
-    """A LoRA run as a plain model: the base checkpoint's weights (float32, checked against the hash the run
-    saved) with the adapters folded in (`lora.merge`)."""
+    """A LoRA run as a plain model: the base checkpoint's weights with the adapters folded in (`lora.merge`).
+
+    The base weights are read in float32 and checked against the hash the run saved."""
     model = ml_collections.ConfigDict(config.model.to_dict())
     model.lora.base_dtype = "float32"
     _, loaded, base_path = load_encoder(model, weights=True)

@@ -132,9 +132,10 @@ def read_text(path: str) -> str:
 
 @contextlib.contextmanager
 def replacing(path: str, binary: bool = False):
-    """A new local file written in full, then renamed over `path` (never half written). The temporary file
-    gets a fresh name of its own (O_EXCL: nothing planted at a guessable name is followed), and the rename
-    replaces a symbolic link at `path` instead of writing through it. On an error the temporary file goes."""
+    """A new local file written in full, then renamed over `path` (never half written).
+
+    The temporary file gets a fresh name of its own (O_EXCL: nothing planted at a guessable name is followed), and the
+    rename replaces a symbolic link at `path` instead of writing through it. On an error the temporary file goes."""
     folder, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.tmp-")
     try:

@@ -128,9 +128,10 @@ class Target:
 
 
 def compile_only_process() -> None:
-    """Keep this process's own devices to the CPU (`JAX_PLATFORMS=cpu` unless set), before JAX starts: a
-    compile for a target needs no local device, and an installed CUDA plugin on a machine without a GPU (or
-    libtpu off a TPU VM) would otherwise fail to start as a backend. The plugin still describes its targets."""
+    """Keep this process's own devices to the CPU (`JAX_PLATFORMS=cpu` unless set), before JAX starts.
+
+    A compile for a target needs no local device, and an installed CUDA plugin on a machine without a GPU (or libtpu
+    off a TPU VM) would otherwise fail to start as a backend. The plugin still describes its targets."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
@@ -141,9 +142,10 @@ def names() -> list[str]:
 
 
 def parse(name: str, hosts: int = 1) -> Target:
-    """`name` -> Target: a GPU model with an optional device count per host (h100, h100x8) on `hosts` hosts, or
-    a TPU slice as Google names them (v5e-16: 16 chips; v4-8 and v5p-8: 8 TensorCores, 4 chips), whose hosts
-    follow from its size (4 chips each when it spans several)."""
+    """`name` -> Target: a GPU model with an optional device count per host, or a TPU slice.
+
+    A GPU model (h100, h100x8) runs on `hosts` hosts; a TPU slice is named as Google names them (v5e-16: 16 chips; v4-8
+    and v5p-8: 8 TensorCores, 4 chips), its hosts following from its size (4 chips each when it spans several)."""
     text = name.strip().lower()
     if hosts < 1:
         raise UserError(f"--hosts={hosts}: at least 1")

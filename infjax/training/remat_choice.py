@@ -92,12 +92,13 @@ def fits(tried: Tried, capacity_bytes: int) -> bool:
 
 def choose(compile_policy: Callable[[str], Tried], capacity_bytes: int,
            policies: tuple[str, ...] = remat_lib.RECOMPUTE_ORDER, agree: Callable[[int], int] | None = None) -> Choice:
-    """The first of `policies` (least recompute first, each keeping less than the one before) whose step compiled
-    by `compile_policy` fits `capacity_bytes` less MARGIN. They are compiled from the last (the least memory)
-    back until one does not fit: the policies a large model needs are found in a compile or two, and a program
-    far over the memory (which XLA's own rematerialisation works long on) is compiled at most once. None
-    fitting, the last is taken and the line says so: the run may still fail to allocate. `agree(index) -> index`
-    makes every process take the same (default: the most recompute any process needs)."""
+    """The first of `policies` whose step, compiled by `compile_policy`, fits `capacity_bytes` less MARGIN.
+
+    The policies come least recompute first, each keeping less than the one before. They are compiled from the last
+    (the least memory) back until one does not fit: the policies a large model needs are found in a compile or two, and
+    a program far over the memory (which XLA's own rematerialisation works long on) is compiled at most once. None
+    fitting, the last is taken and the line says so: the run may still fail to allocate. `agree(index) -> index` makes
+    every process take the same (default: the most recompute any process needs)."""
     agree = agree or distributed.max_over_processes
     tried: dict[int, Tried] = {}
     index = len(policies) - 1

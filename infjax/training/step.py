@@ -17,9 +17,10 @@ from infjax.training.state import TrainState
 
 def make_grad_fn(encoder: Encoder, objective: losses.Objective, dropout: bool = False, chunk_size: int = 0,
                  mesh: Mesh | None = None):
-    """grad_fn(params, batch, rng, frozen={}) -> ((loss, metrics), grads w.r.t. params): plain autodiff, or
-    gradient caching (`chunk_size` rows per encoder pass, see `gradcache`) when chunk_size > 0. `frozen`
-    (LoRA's base weights, `TrainState.frozen`) completes the model and is never differentiated."""
+    """grad_fn(params, batch, rng, frozen={}) -> ((loss, metrics), grads w.r.t. params).
+
+    Plain autodiff, or gradient caching (`chunk_size` rows per encoder pass, see `gradcache`) when chunk_size > 0.
+    `frozen` (LoRA's base weights, `TrainState.frozen`) completes the model and is never differentiated."""
     if chunk_size > 0:
         return gradcache.make_grad_fn(encoder, objective, chunk_size, dropout, mesh)
     loss_fn = embed.make_loss_fn(encoder, objective, dropout)

@@ -26,9 +26,10 @@ WorkdirBusy = FolderBusy         # another live run holds the workdir's lock
 
 
 class WorkdirLock(FolderLock):
-    """The run's lock on WORKDIR/.infjax.lock (runtime/folder_lock.py) for the lifetime of a run: a second run
-    on the workdir is refused naming the holder; a lock left by a run that died is reported and taken over;
-    a workdir this lock created and that holds nothing else on release is removed. Before anything is opened,
+    """The run's lock on WORKDIR/.infjax.lock (runtime/folder_lock.py) for the lifetime of a run.
+
+    A second run on the workdir is refused naming the holder; a lock left by a run that died is reported and taken
+    over; a workdir this lock created and that holds nothing else on release is removed. Before anything is opened,
     none of the run's own files may be a symbolic link (`refuse_links`)."""
 
     def __init__(self, workdir: str, enabled: bool = True):
@@ -46,9 +47,11 @@ RUN_FILES = (LOCK_FILE, METRICS_FILE, "eval.json")    # the files of a run folde
 
 
 def refuse_links(workdir: str) -> None:
-    """A run's own files must not be symbolic links: opening one to write (the lock is truncated, metrics.jsonl
-    appended to) would change the file it points to, whatever it is. Refused, naming the link and its target,
-    before anything in the folder is opened. (Folders given as links, checkpoints/ on another disk, are used.)"""
+    """A run's own files must not be symbolic links: refused, naming the link and its target.
+
+    Opening one to write (the lock is truncated, metrics.jsonl appended to) would change the file it points to,
+    whatever it is. Refused before anything in the folder is opened. (Folders given as links, checkpoints/ on another
+    disk, are used.)"""
     for name in RUN_FILES:
         path = os.path.join(workdir, name)
         if os.path.islink(path):

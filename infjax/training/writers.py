@@ -1,5 +1,6 @@
-"""Where a run's records go: metrics.jsonl always, TensorBoard event files and a Weights & Biases run when
-`log.writers` lists them.
+"""Where a run's records go: metrics.jsonl always, and the views that `log.writers` lists.
+
+The views: TensorBoard event files and a Weights & Biases run.
 
 The training loop hands every record to `Writers.write` in one call: a logged step
 (`{"step", "loss", "learning_rate", ...}`), an evaluation (`{"step", "eval": {set: metrics}}`) or a
@@ -89,11 +90,12 @@ class TensorBoard:
 
 
 class WandB:
-    """A Weights & Biases run (`log.wandb_*` keys): the same tags as TensorBoard in its history, at the
-    record's step, and the resolved config as the run's config. Offline mode (`log.wandb_mode=offline` or
-    WANDB_MODE=offline) writes the run under WORKDIR/wandb/ for `wandb sync`; a gs:// workdir cannot hold
-    it, so wandb's own directory (WANDB_DIR, else the current one) does. Each start of the process is one
-    W&B run: a resumed training is a new run whose history begins after its checkpoint."""
+    """A Weights & Biases run (`log.wandb_*` keys).
+
+    Its history has the same tags as TensorBoard, at the record's step, and the resolved config is the run's config.
+    Offline mode (`log.wandb_mode=offline` or WANDB_MODE=offline) writes the run under WORKDIR/wandb/ for `wandb sync`;
+    a gs:// workdir cannot hold it, so wandb's own directory (WANDB_DIR, else the current one) does. Each start of the
+    process is one W&B run: a resumed training is a new run whose history begins after its checkpoint."""
 
     name = "wandb"
 

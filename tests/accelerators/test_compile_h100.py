@@ -9,7 +9,9 @@ left-padded decoder batch reaches cuDNN with its offsets; and (slow) at the pape
 step needs no more memory than the Pallas kernel's (+5%). What no compile can check (cuDNN's own graph
 validation, speed) needs a GPU: `python -m infjax.bench accelerator`.
 """
+import logging
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ from infjax import config as config_lib
 from infjax.benchmarks import compile as bench_compile, shapes as bench_shapes
 from infjax.models import attention, kernels
 from infjax.models.encoder import load_encoder
-from infjax.models.kernels import gpu
+from infjax.models.kernels import gpu, gpu_flash
 from infjax.runtime import mesh as mesh_lib
 from tests.helpers.targets import compile_only_devices, tiny_overrides
 
@@ -163,3 +165,34 @@ def test_offload_keeps_the_saved_activations_in_pinned_host_memory(h100, steps, 
     assert offload.remat == "offload" and full.remat == "full"
     assert "S(5)" in offload.compiled.as_text() and "S(5)" not in full.compiled.as_text()
     assert offload.memory["peak"] <= 1.01 * full.memory["peak"]
+
+
+def test_jaxs_deprecation_of_the_pallas_triton_backend_is_one_line_per_run(h100, caplog):
+    """Where jax deprecates the Pallas Triton backend, JAX warns at every lowering of the Pallas GPU kernel (seen
+    here by lowering gpu_flash's kernel alone); lowered through infjax three times, the run gets one line and none
+    of JAX's warnings."""
+    _, devices = h100
+    q = jax.ShapeDtypeStruct((2, 128, 4, 32), jnp.float32)
+    seg = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+    bounds = jax.ShapeDtypeStruct((2, 128), jnp.int32)
+
+    def lower(fn, *args):
+        with kernels.lowering():
+            jax.jit(fn).trace(*args).lower()
+
+    deprecated = gpu.triton_status() == "deprecated"
+    gpu.note_triton_deprecation.cache_clear()
+    with kernels.targeting(devices[:1]):
+        with warnings.catch_warnings(record=True) as alone:
+            warnings.simplefilter("always")
+            lower(lambda a, lo, hi: gpu_flash.flash_attention(a, a, a, lo, hi), q, bounds, bounds)
+        with warnings.catch_warnings(record=True) as through_infjax, \
+                caplog.at_level(logging.WARNING, logger=gpu.log.name):
+            warnings.simplefilter("always")
+            for _ in range(3):
+                lower(lambda a, s: gpu.flash_attention(a, a, a, s), q, seg)
+    gpu.note_triton_deprecation.cache_clear()
+    from_jax = lambda seen: [w for w in seen if gpu.TRITON_MESSAGE in str(w.message)]   # noqa: E731
+    lines = [r.getMessage() for r in caplog.records if "Pallas Triton backend" in r.getMessage()]
+    assert (len(from_jax(alone)) >= 1) == deprecated, [str(w.message) for w in alone]
+    assert from_jax(through_infjax) == [] and len(lines) == (1 if deprecated else 0), lines

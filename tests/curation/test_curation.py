@@ -20,7 +20,8 @@ import pytest
 from infjax.curation import parse, pipeline, prompts, sources
 from infjax.curation import stages as stages_lib
 from infjax.curation.backends import OpenAIBackend, Request, ResponseCache, retry_after_seconds
-from infjax.data.inf_ir import FIELDS, load_inf_ir
+from infjax.data.inf_ir import FIELDS
+from tests.helpers.configs import read_split
 from tests.helpers.fake_openai import FakeChat, Reply, field, stage_of
 from tests.helpers.paths import ROOT
 
@@ -145,8 +146,8 @@ def test_four_stages_on_30_pairs(curated):
 
 def test_output_loads_as_inf_ir_in_both_formats(curated):
     out = curated[0]
-    from_parquet = load_inf_ir(os.path.join(out, "curated.parquet"), "curated")
-    from_jsonl = load_inf_ir(os.path.join(out, "curated.jsonl"), "curated")
+    from_parquet = read_split(os.path.join(out, "curated.parquet"), "curated")
+    from_jsonl = read_split(os.path.join(out, "curated.jsonl"), "curated")
     assert from_parquet == from_jsonl and len(from_parquet) == N - 2
     table = pq.read_table(os.path.join(out, "curated.parquet"))
     assert table.column_names == list(FIELDS) + list(pipeline.PROVENANCE)
@@ -220,7 +221,8 @@ def test_429_waits_what_retry_after_says(tmp_path):
 
 
 def test_a_retry_after_of_a_day_is_capped_by_max_wait_and_every_wait_is_logged(tmp_path, caplog, monkeypatch):
-    """Before: the client slept the day, silent; --timeout and --max_retries did not bound it."""
+    """A server's Retry-After of a day is capped by --max_wait, every wait is logged naming what the server asked,
+    and --max_retries bounds the attempts (the run then exits 3); --max_wait=inf is refused."""
     from infjax import curate
     from infjax.curation import backends
 
@@ -361,7 +363,8 @@ def test_a_row_cut_short_by_a_kill_is_discarded(tmp_path):
 # ---------------------------------------------------------------------------------------------------------
 
 def test_a_server_that_drips_its_response_is_cut_at_the_total_deadline(tmp_path):
-    """Before: one byte every half second kept a --timeout=3 request alive for ever (httpx bounds each read)."""
+    """A response dripped a few bytes at a time (body or headers) is cut at --timeout for the whole answer,
+    not per read as httpx bounds it, and retried as a timeout."""
     for headers in (False, True):          # a body, or a status line and headers, 20 bytes a second
         reply = Reply(raw="x" * 100, drip=0.05, drip_headers=headers, headers={"X-Pad": "y" * 100})
         with FakeChat(lambda body, n: reply) as server:
@@ -378,8 +381,8 @@ KEY = "sk-test-0123456789abcdef"
 @pytest.mark.parametrize("status", [401, 500])
 @pytest.mark.parametrize("secret", ["api_key", "userinfo"])
 def test_a_key_the_server_echoes_is_in_no_line_and_no_file(tmp_path, caplog, capsys, monkeypatch, status, secret):
-    """Before: a 401 or 500 body echoing the Authorization header put $OPENAI_API_KEY into the error line and
-    into every record of OUT/stages/*.jsonl; a key in --base_url's user:key@ was printed in the final line."""
+    """The API key, whether sent as $OPENAI_API_KEY or as user:key@ in --base_url, is in no line and no file
+    written, even when a 401 or 500 body echoes the Authorization header: it is shown as ***."""
     from infjax import curate
 
     monkeypatch.setenv("OPENAI_API_KEY", KEY if secret == "api_key" else "")
@@ -409,7 +412,8 @@ def test_a_key_the_server_echoes_is_in_no_line_and_no_file(tmp_path, caplog, cap
 
 
 def test_server_text_is_escaped_and_an_echoed_key_is_redacted_in_answers(tmp_path, caplog):
-    """Before: an error body's escape sequences (window title, clear screen, colors) reached the console raw."""
+    """A server's text reaches the console with its escape sequences escaped (no window title, clear screen
+    or colors), and an answer holding the key is kept, and cached, without it."""
     hostile = "\x1b]0;pwned\x07\x1b[2J\x1b[31mdown\x1b[0m\u202e"
     with FakeChat(lambda body, n: Reply(status=503, raw=hostile)) as server, caplog.at_level("INFO"):
         _, answer = one_request(server, tmp_path / "a", max_retries=1)
@@ -423,7 +427,8 @@ def test_server_text_is_escaped_and_an_echoed_key_is_redacted_in_answers(tmp_pat
 
 
 def test_an_answer_longer_than_its_request_allows_is_refused_and_counted(tmp_path, caplog):
-    """Before: a 64 MB answer to a 256-token request was read whole and kept as an instruction, no line."""
+    """An answer longer than its request's max_tokens allows (declared, streamed or in characters) is not read
+    further, refused with one warning and counted; one at the bound is kept."""
     from infjax.curation import backends
 
     limit = backends.answer_byte_limit(8)                # one_request asks max_tokens=8
@@ -456,7 +461,8 @@ def test_urls_keys_and_escapes_as_shown():
 
 
 def test_a_second_curation_on_a_held_out_is_refused_and_sends_nothing(tmp_path, caplog):
-    """Before: two curations into one --out both ran: every request twice, every stage record twice."""
+    """A curation into an --out that another curation holds is refused in one line naming the holder, exit 2,
+    before it sends a request or writes a record."""
     from infjax import curate
     from infjax.runtime.folder_lock import LOCK_FILE, FolderLock
 
@@ -723,7 +729,8 @@ def test_refused_input_writes_no_run_state(tmp_path):
 
 
 def test_input_bytes_that_are_not_utf8_are_one_line_naming_line_and_byte(tmp_path, caplog):
-    """Before: a 25-line traceback; training data already said where."""
+    """Input bytes that are not UTF-8 are one line naming the file, line and byte (as for training data),
+    exit 2, before anything is written."""
     from infjax import curate
 
     bad = tmp_path / "pairs.jsonl"

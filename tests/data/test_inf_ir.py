@@ -1,4 +1,8 @@
-"""Tests for infjax.data.inf_ir: loading, cleaning and flattening InF-IR."""
+"""Reading InF-IR as training reads it: open_split, the token store's pass, the token cache.
+
+Each split is opened by `inf_ir.open_split` (formats, folders, field maps, limits, refusals), its rows cleaned
+and checked by the token store's pass (`clean_record`'s rules, the bad rows, the token ids), and the whole of
+`config.data` read through the token cache (`open_training_data`)."""
 
 import json
 import logging
@@ -8,6 +12,7 @@ import re
 import pandas as pd
 import pytest
 
+from infjax.data import token_store
 from infjax.data.inf_ir import (
     DEFAULT_FIELD_MAP,
     FIELDS,
@@ -16,12 +21,12 @@ from infjax.data.inf_ir import (
     DataFileError,
     MissingColumnError,
     clean_record,
-    clean_records,
-    flatten_record,
-    flatten_record_no_hard_negatives,
-    load_inf_ir,
     resolve_field_map,
 )
+from infjax import errors, train
+from infjax.data import inf_ir, synthetic
+from tests.helpers.configs import load_training_records, read_split
+from tests.helpers.runs import write_records
 
 
 def raw_row(i: int) -> dict:
@@ -79,6 +84,17 @@ def write_json(path, rows) -> str:
 WRITERS = {"parquet": write_parquet, "jsonl": write_jsonl, "json": write_json}
 
 
+@pytest.fixture
+def train_records(tmp_path):
+    """source, **config.data keys -> the training records of that data, as `infjax.train` opens them.
+
+    Clean, checked and deduplicated; the token cache in this test's folder."""
+    def read(source, split="msmarco", **data_keys):
+        return load_training_records({"source": str(source), "splits": split, "cache_dir": str(tmp_path / "cache"),
+                                      **data_keys})
+    return read
+
+
 # ---------------------------------------------------------------------------
 # Loading each format
 # ---------------------------------------------------------------------------
@@ -87,7 +103,7 @@ WRITERS = {"parquet": write_parquet, "jsonl": write_jsonl, "json": write_json}
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
 def test_load_each_format_gives_cleaned_records(tmp_path, fmt):
     path = WRITERS[fmt](tmp_path / f"msmarco.{fmt}", [raw_row(i) for i in range(4)])
-    records = load_inf_ir(path, "msmarco")
+    records = read_split(path, "msmarco")
     assert records == [clean_row(i) for i in range(4)]
     assert all(list(r) == list(FIELDS) for r in records)
 
@@ -95,13 +111,13 @@ def test_load_each_format_gives_cleaned_records(tmp_path, fmt):
 @pytest.mark.parametrize("fmt", sorted(WRITERS))
 def test_legacy_document_column_auto(tmp_path, fmt):
     path = WRITERS[fmt](tmp_path / f"robust04.{fmt}", [legacy(raw_row(i)) for i in range(3)])
-    assert load_inf_ir(path, "robust04") == [clean_row(i) for i in range(3)]
+    assert read_split(path, "robust04") == [clean_row(i) for i in range(3)]
 
 
 def test_legacy_document_column_explicit_map(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", [legacy(raw_row(i)) for i in range(2)])
-    assert load_inf_ir(path, "msmarco", field_map=LEGACY_FIELD_MAP) == [clean_row(i) for i in range(2)]
-    assert load_inf_ir(path, "msmarco", field_map={"document_positive": "document"}) == [
+    assert read_split(path, "msmarco", field_map=LEGACY_FIELD_MAP) == [clean_row(i) for i in range(2)]
+    assert read_split(path, "msmarco", field_map={"document_positive": "document"}) == [
         clean_row(i) for i in range(2)
     ]
 
@@ -113,35 +129,35 @@ def test_user_field_map_renames_columns(tmp_path):
         row["q"] = row.pop("query_positive")
         rows.append(row)
     path = write_jsonl(tmp_path / "x.jsonl", rows)
-    assert load_inf_ir(path, "leetcode", field_map={"query_positive": "q"}) == [clean_row(i) for i in range(2)]
+    assert read_split(path, "leetcode", field_map={"query_positive": "q"}) == [clean_row(i) for i in range(2)]
 
 
 def test_limit_takes_first_rows(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", [raw_row(i) for i in range(5)])
-    assert load_inf_ir(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
-    assert load_inf_ir(path, "msmarco", limit=0) == []
-    assert len(load_inf_ir(path, "msmarco", limit=50)) == 5
+    assert read_split(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
+    assert read_split(path, "msmarco", limit=0) == []
+    assert len(read_split(path, "msmarco", limit=50)) == 5
     with pytest.raises(ValueError, match="limit"):
-        load_inf_ir(path, "msmarco", limit=-1)
+        read_split(path, "msmarco", limit=-1)
 
 
 def test_limit_applies_before_cleaning(tmp_path):
     rows = [raw_row(0), raw_row(1), {**raw_row(2), "query_negative": "   "}]
     path = write_jsonl(tmp_path / "x.jsonl", rows)
-    assert load_inf_ir(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
+    assert read_split(path, "msmarco", limit=2) == [clean_row(0), clean_row(1)]
 
 
-def test_rewritten_file_is_not_served_from_cache(tmp_path):
+def test_rewritten_file_is_not_served_from_cache(tmp_path, train_records):
     path = tmp_path / "x.parquet"
     write_parquet(path, [raw_row(0)])
-    assert load_inf_ir(str(path), "msmarco") == [clean_row(0)]
+    assert train_records(path) == [clean_row(0)]
     write_parquet(path, [raw_row(7), raw_row(8)])
-    assert load_inf_ir(str(path), "msmarco") == [clean_row(7), clean_row(8)]
+    assert train_records(path) == [clean_row(7), clean_row(8)]
     jpath = tmp_path / "x.jsonl"
     write_jsonl(jpath, [raw_row(1)])
-    assert load_inf_ir(str(jpath), "msmarco") == [clean_row(1)]
+    assert train_records(jpath) == [clean_row(1)]
     write_jsonl(jpath, [raw_row(2)])
-    assert load_inf_ir(str(jpath), "msmarco") == [clean_row(2)]
+    assert train_records(jpath) == [clean_row(2)]
 
 
 # ---------------------------------------------------------------------------
@@ -190,7 +206,7 @@ def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
     rows[2]["query_negative"] = value
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     with pytest.raises(BadRowError) as info:
-        load_inf_ir(path, "msmarco")
+        read_split(path, "msmarco")
     err = info.value
     assert (err.split, err.row, err.field) == ("msmarco", 2, "query_negative")
     message = str(err)
@@ -202,18 +218,20 @@ def test_bad_value_in_file_raises_bad_row_error(tmp_path, kind):
                                                 ("query_negative", "query_positive"),
                                                 ("hard_negative_document_1", "document_positive"),
                                                 ("hard_negative_document_2", "document_positive")])
-def test_a_negative_equal_to_its_positive_is_a_bad_row(tmp_path, caplog, negative, positive):
-    """Before: I- = I+ trained with no word; (I+, Q+, P+) and (I-, Q+, P1-) became one query text with two
-    positives, each the other's in-batch negative. Case, spacing and a final period do not make it differ."""
+def test_a_negative_equal_to_its_positive_is_a_bad_row(tmp_path, caplog, train_records, negative, positive):
+    """A negative that says what its positive says is a bad row: named by split, row and field, or skipped.
+
+    Skipped rows are counted; else (I+, Q+, P+) and (I-, Q+, P1-) would be one query text with two positives,
+    each the other's in-batch negative. Case, spacing and a final period do not make it differ."""
     rows = [raw_row(i) for i in range(4)]
     rows[2][negative] = "  " + rows[2][positive].upper().replace(" ", "   ") + ". "
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     with pytest.raises(BadRowError) as info:
-        load_inf_ir(path, "msmarco")
+        train_records(path)
     assert (info.value.split, info.value.row, info.value.field) == ("msmarco", 2, negative)
     assert f"the same text as {positive} (a negative must differ from its positive)" in str(info.value)
     with caplog.at_level("WARNING"):
-        records = load_inf_ir(path, "msmarco", on_bad_row="skip")
+        records = train_records(path, on_bad_row="skip")
     assert records == [clean_row(i) for i in (0, 1, 3)]                 # counted, named, never silent
     assert f"skipped 1 bad row(s): (row 2, {negative!r}: the same text as {positive}" in caplog.text
 
@@ -229,7 +247,7 @@ def test_none_in_parquet_raises(tmp_path):
     rows[1]["hard_negative_document_2"] = None
     path = write_parquet(tmp_path / "x.parquet", rows)
     with pytest.raises(BadRowError, match=r"split 'robust04' row 1, field 'hard_negative_document_2'"):
-        load_inf_ir(path, "robust04")
+        read_split(path, "robust04")
 
 
 def test_integer_column_in_parquet_raises(tmp_path):
@@ -238,7 +256,7 @@ def test_integer_column_in_parquet_raises(tmp_path):
         row["instruction_negative"] = 10 + i
     path = write_parquet(tmp_path / "x.parquet", rows)
     with pytest.raises(BadRowError, match=r"row 0, field 'instruction_negative'.*int"):
-        load_inf_ir(path, "leetcode")
+        read_split(path, "leetcode")
 
 
 def test_missing_field_in_one_jsonl_row_raises(tmp_path):
@@ -246,7 +264,7 @@ def test_missing_field_in_one_jsonl_row_raises(tmp_path):
     del rows[1]["instruction_positive"]
     path = write_jsonl(tmp_path / "x.jsonl", rows)
     with pytest.raises(BadRowError) as info:
-        load_inf_ir(path, "metamath")
+        read_split(path, "metamath")
     assert (info.value.split, info.value.row, info.value.field) == ("metamath", 1, "instruction_positive")
     assert "row 1" in str(info.value) and "'instruction_positive'" in str(info.value)
 
@@ -288,7 +306,7 @@ def test_missing_column_is_reported_up_front(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", rows)
     for on_bad_row in ("error", "skip"):
         with pytest.raises(MissingColumnError) as info:
-            load_inf_ir(path, "msmarco", on_bad_row=on_bad_row)
+            read_split(path, "msmarco", on_bad_row=on_bad_row)
         message = str(info.value)
         assert isinstance(info.value, ValueError)
         assert "'msmarco'" in message and "'hard_negative_document_2'" in message
@@ -299,18 +317,19 @@ def test_missing_column_is_reported_up_front(tmp_path):
 def test_missing_mapped_column_names_source_column(tmp_path):
     path = write_parquet(tmp_path / "x.parquet", [raw_row(0)])
     with pytest.raises(MissingColumnError, match=r"field 'query_positive'.*'nope'"):
-        load_inf_ir(path, "msmarco", field_map={"query_positive": "nope"})
+        read_split(path, "msmarco", field_map={"query_positive": "nope"})
 
 
-def test_skip_returns_good_rows_in_order_and_count(caplog):
+def test_skip_returns_good_rows_in_order_and_count(tmp_path, caplog, train_records):
     rows = [raw_row(i) for i in range(7)]
     rows[1]["query_positive"] = None
     rows[3]["instruction_negative"] = 42
     del rows[4]["document_positive"]
     rows[6]["hard_negative_document_1"] = " \t "
-    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
-        records, n_skipped = clean_records(rows, split="msmarco", on_bad_row="skip")
-    assert n_skipped == 4
+    path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
+    with caplog.at_level(logging.INFO, logger="infjax"):
+        records = train_records(path, on_bad_row="skip")
+    assert "tokenized 7 rows (3 records, 4 skipped as bad)" in caplog.text
     assert records == [clean_row(0), clean_row(2), clean_row(5)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -319,37 +338,40 @@ def test_skip_returns_good_rows_in_order_and_count(caplog):
     assert "row 3" in warnings[0] and "'instruction_negative'" in warnings[0]
 
 
-def test_skip_through_load_logs_warning(tmp_path, caplog):
+def test_skip_through_load_logs_warning(tmp_path, caplog, train_records):
     rows = [raw_row(i) for i in range(5)]
     rows[0]["query_negative"] = ""
     rows[3]["query_positive"] = None
     path = write_parquet(tmp_path / "x.parquet", rows)
-    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
-        records = load_inf_ir(path, "msmarco", on_bad_row="skip")
+    with caplog.at_level(logging.WARNING, logger="infjax"):
+        records = train_records(path, on_bad_row="skip")
     assert records == [clean_row(1), clean_row(2), clean_row(4)]
     assert any("skipped 2" in r.getMessage() for r in caplog.records)
 
 
-def test_no_warning_when_nothing_skipped(caplog):
-    with caplog.at_level(logging.WARNING, logger="infjax.data.inf_ir"):
-        records, n_skipped = clean_records([raw_row(0)], split="s", on_bad_row="skip")
-    assert (len(records), n_skipped) == (1, 0)
-    assert not caplog.records
+def test_no_warning_when_nothing_skipped(tmp_path, caplog, train_records):
+    path = write_jsonl(tmp_path / "s.jsonl", [raw_row(0)])
+    with caplog.at_level(logging.INFO, logger="infjax"):
+        records = train_records(path, "s", on_bad_row="skip")
+    assert len(records) == 1 and "(1 records, 0 skipped as bad)" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
-def test_error_mode_raises_on_first_bad_row():
+def test_error_mode_raises_on_first_bad_row(tmp_path):
     rows = [raw_row(0), {**raw_row(1), "query_positive": None}, {**raw_row(2), "query_negative": None}]
     with pytest.raises(BadRowError) as info:
-        clean_records(rows, split="s")
+        read_split(write_jsonl(tmp_path / "s.jsonl", rows), "s")
     assert info.value.row == 1
 
 
-def test_invalid_on_bad_row(tmp_path):
+def test_invalid_on_bad_row(tmp_path, train_records):
     with pytest.raises(ValueError, match=r"'error'.*'skip'"):
-        clean_records([raw_row(0)], split="s", on_bad_row="drop")
+        token_store.Reading(on_bad_row="drop")
     path = write_jsonl(tmp_path / "x.jsonl", [raw_row(0)])
     with pytest.raises(ValueError, match=r"'error'.*'skip'"):
-        load_inf_ir(path, "s", on_bad_row="ignore")
+        read_split(path, "s", on_bad_row="ignore")
+    with pytest.raises(ValueError, match=r"'error'.*'skip'"):
+        train_records(path, "s", on_bad_row="ignore")
 
 
 # ---------------------------------------------------------------------------
@@ -385,7 +407,7 @@ def test_resolve_field_map():
 def test_unknown_field_map_key_in_load(tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [raw_row(0)])
     with pytest.raises(ValueError, match="passage"):
-        load_inf_ir(path, "msmarco", field_map={"passage": "document_positive"})
+        read_split(path, "msmarco", field_map={"passage": "document_positive"})
 
 
 # ---------------------------------------------------------------------------
@@ -397,18 +419,18 @@ def test_folder_in_hub_layout_loads_by_split(tmp_path):
     root = tmp_path / "InF-IR"
     write_parquet(root / "data" / "msmarco-00000-of-00001.parquet", [raw_row(i) for i in range(3)])
     write_parquet(root / "data" / "robust04-00000-of-00001.parquet", [raw_row(i) for i in range(10, 12)])
-    assert load_inf_ir(str(root), "msmarco") == [clean_row(i) for i in range(3)]
-    assert load_inf_ir(str(root), "robust04") == [clean_row(10), clean_row(11)]
+    assert read_split(root, "msmarco") == [clean_row(i) for i in range(3)]
+    assert read_split(root, "robust04") == [clean_row(10), clean_row(11)]
     with pytest.raises(FileNotFoundError, match=r"'leetcode'.*msmarco-00000-of-00001\.parquet"):
-        load_inf_ir(str(root), "leetcode")
+        read_split(root, "leetcode")
 
 
 def test_flat_folder_uses_files_starting_with_split(tmp_path):
     write_jsonl(tmp_path / "leetcode.jsonl", [raw_row(0)])
     write_jsonl(tmp_path / "metamath.jsonl", [raw_row(1)])
-    assert load_inf_ir(str(tmp_path), "metamath") == [clean_row(1)]
+    assert read_split(tmp_path, "metamath") == [clean_row(1)]
     with pytest.raises(FileNotFoundError, match=r"leetcode\.jsonl"):
-        load_inf_ir(str(tmp_path), "msmarco")
+        read_split(tmp_path, "msmarco")
 
 
 def test_a_folder_names_what_it_reads_and_refuses_two_sets_of_one_split(tmp_path, caplog):
@@ -417,26 +439,26 @@ def test_a_folder_names_what_it_reads_and_refuses_two_sets_of_one_split(tmp_path
     write_parquet(root / "data" / "robust04-00000-of-00001.parquet", [raw_row(9)])
     (root / "README.md").write_text("card")
     with caplog.at_level(logging.INFO, logger="infjax"):
-        assert load_inf_ir(str(root), "msmarco") == [clean_row(i) for i in range(3)]
+        assert read_split(root, "msmarco") == [clean_row(i) for i in range(3)]
     assert "reading ['data/msmarco-00000-of-00001.parquet']; not read: ['README.md', " \
            "'data/robust04-00000-of-00001.parquet']" in caplog.text
     write_jsonl(root / "msmarco_extra.jsonl", [raw_row(5)])            # the records would be silently ignored
     with pytest.raises(DataFileError, match=r"holds InF-IR split 'msmarco' twice: in the hub layout \(1 file\(s\) "
                                             r"data/msmarco-\*\.parquet\) and as \['msmarco_extra\.jsonl'\]"):
-        load_inf_ir(str(root), "msmarco")
+        read_split(root, "msmarco")
 
 
 def test_a_flat_folder_of_mixed_formats_for_one_split_is_refused(tmp_path):
     write_jsonl(tmp_path / "msmarco-a.jsonl", [raw_row(0)])
     write_parquet(tmp_path / "msmarco-b.parquet", [raw_row(1)])
     with pytest.raises(DataFileError, match=r"disagree in format \(\['json', 'parquet'\]"):
-        load_inf_ir(str(tmp_path), "msmarco")
+        read_split(tmp_path, "msmarco")
 
 
 def test_nonexistent_path_raises_file_not_found(tmp_path):
     missing = str(tmp_path / "nope" / "msmarco.parquet")
     with pytest.raises(FileNotFoundError) as info:
-        load_inf_ir(missing, "msmarco")
+        read_split(missing, "msmarco")
     assert missing in str(info.value) and "'msmarco'" in str(info.value)
 
 
@@ -444,29 +466,10 @@ def test_unknown_hub_id_offline_raises_file_not_found():
     assert os.environ.get("HF_DATASETS_OFFLINE") == "1"
     hub_id = "infjax-test-nobody/no-such-dataset"
     with pytest.raises(FileNotFoundError) as info:
-        load_inf_ir(hub_id, "msmarco")
+        read_split(hub_id, "msmarco")
     message = str(info.value)
     assert hub_id in message and "'msmarco'" in message
     assert "local" in message and ".parquet" in message
-
-
-# ---------------------------------------------------------------------------
-# Flattening
-# ---------------------------------------------------------------------------
-
-
-def test_flatten_record_order():
-    record = {
-        "instruction_positive": "I+",
-        "query_positive": "Q+",
-        "document_positive": "P+",
-        "instruction_negative": "I-",
-        "query_negative": "Q-",
-        "hard_negative_document_1": "P1-",
-        "hard_negative_document_2": "P2-",
-    }
-    assert flatten_record(record) == [("I+", "Q+", "P+"), ("I-", "Q+", "P1-"), ("I+", "Q-", "P2-")]
-    assert flatten_record_no_hard_negatives(record) == [("I+", "Q+", "P+")]
 
 
 @pytest.mark.parametrize("dedupe", [True, False])
@@ -487,13 +490,13 @@ def test_duplicate_records_are_counted_and_dropped_unless_kept(tmp_path, caplog,
     assert "record 5 repeats record 1, record 6 repeats record 3, record 7 repeats record 1" in caplog.text
 
 
-def test_every_row_skipped_says_so_with_counts_per_reason(tmp_path):
+def test_every_row_skipped_says_so_with_counts_per_reason(tmp_path, train_records):
     rows = [raw_row(i) for i in range(4)]
     for i, r in enumerate(rows):
         r["query_negative" if i % 2 else "instruction_positive"] = None if i < 3 else "\u200b"
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     with pytest.raises(DataFileError) as e:
-        load_inf_ir(path, "msmarco", on_bad_row="skip")
+        train_records(path, on_bad_row="skip")
     message = str(e.value)
     assert "no usable rows: all 4 were skipped as bad (on_bad_row=skip)" in message
     assert "\"'instruction_positive': value is None (null)\": 2" in message and "invisible characters" in message
@@ -505,7 +508,7 @@ def test_a_missing_column_suggests_what_the_command_line_accepts(tmp_path):
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     with pytest.raises(MissingColumnError, match=r"Rename that column to 'query_positive' in the data, or choose "
                                                  r"config.data.field_map=auto\|default\|legacy"):
-        load_inf_ir(path, "msmarco")
+        read_split(path, "msmarco")
 
 
 def test_an_empty_but_valid_parquet_file_is_called_empty(tmp_path):
@@ -515,18 +518,18 @@ def test_an_empty_but_valid_parquet_file_is_called_empty(tmp_path):
     path = tmp_path / "curated.parquet"
     pq.write_table(pa.table({c: pa.array([], pa.string()) for c in FIELDS}), path)
     with pytest.raises(DataFileError, match=re.escape(f"{path}: a valid parquet file with no rows")):
-        load_inf_ir(str(path), "msmarco")
+        read_split(path, "msmarco")
 
 
 def test_bytes_that_are_not_utf8_far_into_a_large_file_are_named_by_line(tmp_path):
-    """pyarrow's JSON reader loads such a file and fails only when the row is read: the loader checks first."""
+    """pyarrow's JSON reader loads such a file and fails only when the row is read: the reader checks first."""
     path = tmp_path / "msmarco.jsonl"
     line = json.dumps(raw_row(0)).encode()
     with open(path, "wb") as f:
         for i in range(20000):
             f.write((line.replace(b"query", b"qu\xff\xfeery", 1) if i == 15000 else line) + b"\n")
     with pytest.raises(DataFileError, match=re.escape(f"{path}: line 15001 (byte ") + r"\d+\): not UTF-8 text"):
-        load_inf_ir(str(path), "msmarco")
+        read_split(path, "msmarco")
 
 
 # ---------------------------------------------------------------------------
@@ -555,14 +558,14 @@ def with_zero_width_space(text: str) -> str:
 
 @pytest.mark.parametrize("negative, positive", NEGATIVES)
 def test_a_negative_that_differs_only_by_an_invisible_character_is_a_bad_row(tmp_path, negative, positive):
-    """Before: I- = I+ with a zero-width space after the first word trained (exit 0, no warning): the tokenizer
-    gives both the same ids. Now the text comparison ignores invisible characters, and says so."""
+    """A negative that is its positive with a zero-width space after the first word is a bad row (a reader, and
+    the tokenizer, see the same text): the text comparison ignores invisible characters, and says so."""
     rows = [raw_row(i) for i in range(4)]
     for i, row in enumerate(rows):
         row[negative] = with_zero_width_space(clean_row(i)[positive])
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     with pytest.raises(BadRowError) as info:
-        load_inf_ir(path, "msmarco")
+        read_split(path, "msmarco")
     assert (info.value.row, info.value.field) == (0, negative)
     assert str(info.value).endswith(f"the same text as {positive} (a negative must differ from its positive; they "
                                     f"differ only in invisible characters)")
@@ -576,12 +579,12 @@ def test_a_negative_that_differs_only_by_an_invisible_character_is_a_bad_row(tmp
 ])
 def test_a_negative_the_same_as_its_positive_with_control_characters_says_how_they_differ(tmp_path, negative_text,
                                                                                           says):
-    """Before: a negative byte for byte its positive, both with control characters (BEL, ESC), was said to "differ
-    only in invisible characters"; so was one that differs from it only in case. Neither differs in those."""
+    """How a negative the same as its positive differs is said exactly: byte for byte the same, control
+    characters (BEL, ESC) included; only in case, spacing or final periods; only in invisible characters."""
     row = raw_row(0)
     row["instruction_positive"], row["instruction_negative"] = "Find\x07 documents about\x1b[31m rivers", negative_text
     with pytest.raises(BadRowError) as info:
-        load_inf_ir(write_jsonl(tmp_path / "msmarco.jsonl", [row]), "msmarco")
+        read_split(write_jsonl(tmp_path / "msmarco.jsonl", [row]), "msmarco")
     assert str(info.value).endswith(f"the same text as instruction_positive (a negative must differ from its "
                                     f"positive; {says})"), str(info.value)
 
@@ -589,18 +592,19 @@ def test_a_negative_the_same_as_its_positive_with_control_characters_says_how_th
 @pytest.mark.parametrize("negative, positive", NEGATIVES)
 def test_a_negative_with_its_positives_token_ids_is_a_bad_row_when_the_tokenizer_is_known(tmp_path, negative,
                                                                                           positive):
-    """Accents and the spacing of punctuation change the text but not the ids of an uncased BERT tokenizer."""
-    tokenizer = minilm_tokenizer()
+    """Accents and the spacing of punctuation change the text but not the ids of an uncased BERT tokenizer: the
+    text rules pass the row, the token store's pass (which tokenizes it) refuses it, or skips it."""
+    minilm_tokenizer()
     rows = [raw_row(i) for i in range(3)]
     rows[1][positive] = "Résumé tips , for a café job"
     rows[1][negative] = "resume tips, for a cafe job"
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
-    assert len(load_inf_ir(path, "msmarco")) == 3                    # different texts
-    with pytest.raises(BadRowError) as info:
-        load_inf_ir(path, "msmarco", token_keys=tokenizer.token_keys)
+    assert len([clean_record(r, field_map=None, split="msmarco", row=i) for i, r in enumerate(rows)]) == 3
+    with pytest.raises(BadRowError) as info:                         # different texts, the same token ids
+        read_split(path, "msmarco")
     assert (info.value.row, info.value.field) == (1, negative)
     assert f"the same token ids as {positive} for the model's tokenizer" in str(info.value)
-    records = load_inf_ir(path, "msmarco", on_bad_row="skip", token_keys=tokenizer.token_keys)
+    records = read_split(path, "msmarco", on_bad_row="skip")
     assert records == [clean_row(0), clean_row(2)]
     # training compares them by the digests of their ids, in the pass that tokenizes them
     import ml_collections
@@ -617,8 +621,8 @@ def test_a_negative_with_its_positives_token_ids_is_a_bad_row_when_the_tokenizer
 
 
 def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
-    """Before: records that differ only in case or invisible characters (the same token ids for an uncased
-    model) passed without the duplicate warning; in a batch, each is the other's false negative."""
+    """Records that differ only in case or invisible characters (the same token ids for an uncased model) are
+    duplicates, dropped with the duplicate warning: in a batch, each would be the other's false negative."""
     import ml_collections
 
     from tests.helpers.configs import load_training_records
@@ -631,10 +635,51 @@ def test_records_the_model_reads_alike_are_duplicates(tmp_path, caplog):
     path = write_jsonl(tmp_path / "msmarco.jsonl", rows)
     data = ml_collections.ConfigDict({"source": path, "splits": "msmarco", "field_map": "auto",
                                       "on_bad_row": "error", "limit": 0, "dedupe": True})
-    assert len(load_inf_ir(path, "msmarco")) == 7                        # as text, all differ
+    assert len(read_split(path, "msmarco", dedupe=False)) == 7          # all clean rows, none a bad one
     with caplog.at_level(logging.WARNING):
         records = load_training_records(data)
     assert records == [clean_row(i) for i in range(4)]
     assert ("3 duplicate record(s) dropped (data.dedupe=True): record 4 repeats record 1 (the same token ids, not "
             "the same text), record 5 repeats record 2 (the same token ids, not the same text), record 6 repeats "
             "record 3") in caplog.text
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty file (no rows)"),
+    (b'{"a": 1}\n\xff\xfe bad\n', "line 2 (byte 9): not UTF-8 text"),
+    (b'{"a": 1}\n{"a": 2}}\n', "line 2: not valid JSON (Extra data, column 9)"),
+])
+def test_unreadable_data_files_name_file_and_place(tmp_path, content, message):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(inf_ir.DataFileError, match=re.escape(f"{path}: {message}")):
+        inf_ir.open_split(str(path), "msmarco")
+
+
+@pytest.mark.parametrize("name, message", [("x.jsonl.gz", "'.gz' (decompress it first)"), ("x.csv", "'.csv'")])
+def test_unsupported_data_file_types_are_named(tmp_path, name, message):
+    path = tmp_path / name
+    path.write_bytes(b"x")
+    with pytest.raises(inf_ir.DataFileError, match=re.escape(f"unsupported file type {message}")):
+        inf_ir.open_split(str(path), "msmarco")
+
+
+def test_a_run_whose_negatives_differ_from_their_positives_only_invisibly_is_refused(tmp_path):
+    """A run whose instruction negatives differ from their positives only by an invisible character (a
+    zero-width space after the first word: the tokenizer gives both the same ids) is refused in one line
+    naming the split, row and field, exit 2, with no workdir left."""
+    from tests.helpers.configs import tiny_config
+
+    records = synthetic.make_synthetic(0, 16, 2, 8)[0]
+    for r in records:
+        first, rest = r["instruction_positive"].split(" ", 1)
+        r["instruction_negative"] = f"{first}\u200b {rest}"
+    path = write_records(tmp_path / "msmarco.jsonl", records)
+    config = tiny_config(**{"data.source": path, "train.steps": 1, "eval.synthetic": False})
+    with pytest.raises(inf_ir.BadRowError) as e:
+        train.run(config, str(tmp_path / "w"))
+    assert errors.exit_code(e.value) == 2
+    assert str(e.value) == ("InF-IR split 'msmarco' row 0, field 'instruction_negative' (source column "
+                            "'instruction_negative'): the same text as instruction_positive (a negative must differ "
+                            "from its positive; they differ only in invisible characters)")
+    assert not (tmp_path / "w").exists()

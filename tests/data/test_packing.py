@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from infjax.data import packing
+from infjax.data import packing, pipeline
 from infjax.models import attention as A
 from infjax.models.encoder import Encoder
 from infjax.models.registry import FAMILIES
@@ -34,11 +34,23 @@ def _padded(tokens, side):
     return ids, mask
 
 
+def _pack(tokens, shards, capacity, pad_id=0, what="texts", chunks=None):
+    """`packing.pack_flat` of texts given as token arrays, in row order."""
+    lengths = np.array([len(t) for t in tokens], np.int64)
+    return packing.pack_flat(np.concatenate(tokens).astype(np.int32), lengths, shards, capacity, pad_id, what, chunks)
+
+
+def _rows(lengths, length):
+    """The rows `packing.place` makes: the text indices of each row."""
+    row_of, count = packing.place(lengths, length)
+    return [[i for i, r in enumerate(row_of) if r == row] for row in range(count)]
+
+
 def test_first_fit_places_every_text_once_within_the_length():
     rng = np.random.default_rng(1)
     for _ in range(50):
         lengths = list(rng.integers(1, 30, size=int(rng.integers(1, 40))))
-        rows = packing.first_fit(lengths, 32)
+        rows = _rows(lengths, 32)
         assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in r) <= 32 for r in rows)
         assert len(rows) >= -(-sum(lengths) // 32)
@@ -47,7 +59,7 @@ def test_first_fit_places_every_text_once_within_the_length():
 def test_pack_round_trip_and_overflow_names_the_input():
     tokens = _tokens()
     capacity = packing.capacity_for([[len(t) for t in tokens]], 2, PACK)
-    out = packing.pack(tokens, 2, capacity, pad_id=0, what="passages")
+    out = _pack(tokens, 2, capacity, pad_id=0, what="passages")
     assert out["ids"].shape == (2, capacity.rows, PACK) and out["first"].shape == (2, 4)
     flat_ids = out["ids"].reshape(2, -1)
     for i, t in enumerate(tokens):                      # each text is found whole where first/last say
@@ -58,19 +70,19 @@ def test_pack_round_trip_and_overflow_names_the_input():
     assert out["mask"].max() >= 2                      # several texts share a row
     assert (out["mask"] > 0).sum() == sum(LENGTHS) and (out["text"] < 4).sum() == sum(LENGTHS)
     with pytest.raises(packing.PackingOverflow, match=r"passages, shard 0: 4 texts .* capacity is 1 rows"):
-        packing.pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
+        _pack(tokens, 2, packing.Capacity(1, PACK), 0, "passages")
 
 
 def test_rows_hold_at_most_the_capacitys_texts_and_segments_list_their_lengths():
     tokens = _tokens()
-    free = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    free = _pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
     assert int(free["mask"].max()) == 3 and free["segments"].shape[-1] == packing.segment_bound(3) == 4
     bounded = packing.Capacity(4, PACK, texts=2)
-    out = packing.pack(tokens, 2, bounded, 0)
+    out = _pack(tokens, 2, bounded, 0)
     assert out["segments"].shape == (2, 4, 2) and int(out["mask"].max()) == 2
     np.testing.assert_array_equal(out["segments"].sum(axis=(1, 2)), [sum(LENGTHS[:4]), sum(LENGTHS[4:])])
     with pytest.raises(packing.PackingOverflow, match=r"at most 1 texts a row but the capacity is 2 rows"):
-        packing.pack(tokens, 2, packing.Capacity(2, PACK, texts=1), 0)
+        _pack(tokens, 2, packing.Capacity(2, PACK, texts=1), 0)
     assert [packing.segment_bound(n) for n in (1, 2, 3, 5, 8, 9)] == [2, 2, 4, 8, 8, 16]
 
 
@@ -84,7 +96,7 @@ def test_the_encoder_bounds_each_attention_call_by_its_batch(tmp_path_factory, m
     choose = A.choose
     monkeypatch.setattr(A, "choose", lambda *a, **k: seen.append(A._OPTIONS.get().max_segments) or choose(*a, **k))
     tokens = _tokens()
-    packed = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    packed = _pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
     jax.eval_shape(lambda p: encoder.packed(p, packed), params)
     assert seen and set(seen) == {packed["segments"].shape[-1]} == {4}
     seen.clear()
@@ -93,14 +105,14 @@ def test_the_encoder_bounds_each_attention_call_by_its_batch(tmp_path_factory, m
 
 
 def test_chosen_row_length_is_the_least_cost_candidate_by_a_naive_count():
-    """choose_length against first_fit rows counted by hand; texts of ~45 tokens (the longest 64) are
+    """choose_length against first-fit rows (`place`) counted by hand; texts of ~45 tokens (the longest 64) are
     packed two to a row of 96 rather than one to a row of 64."""
     rng = np.random.default_rng(4)
     steps = [list(np.clip(rng.normal(45, 8, size=48).astype(int), 20, 64)) for _ in range(6)]
     steps[0][0] = 64
     naive = {}
     for n in range(64, 129, 32):
-        rows = [max(len(packing.first_fit(lengths[s * 24:(s + 1) * 24], n)) for s in range(2)) for lengths in steps]
+        rows = [max(packing.place(lengths[s * 24:(s + 1) * 24], n)[1] for s in range(2)) for lengths in steps]
         naive[n] = np.mean(rows) * n * (1 + n / packing.ATTENTION_SPAN)
     assert packing.candidate_lengths(64) == [64, 96, 128]
     assert packing.choose_length(steps, shards=2) == min(naive, key=naive.get) == 96
@@ -113,7 +125,7 @@ def test_with_attention_per_text_the_row_length_of_least_padding_wins():
     rng = np.random.default_rng(5)
     steps = [list(np.clip(rng.normal(150, 50, size=48).astype(int), 30, 256)) for _ in range(6)]
     steps[0][0] = 256
-    tokens = {n: np.mean([len(packing.first_fit(lengths, n)) for lengths in steps]) * n
+    tokens = {n: np.mean([packing.place(lengths, n)[1] for lengths in steps]) * n
               for n in packing.candidate_lengths(256)}
     whole_row = {n: t * (1 + n / packing.ATTENTION_SPAN) for n, t in tokens.items()}
     per_text = packing.choose_length(steps, shards=1, span=float("inf"))
@@ -149,7 +161,7 @@ def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
     """Gradient caching packs chunk c of shard s apart: texts s*n + c, s*n + c + C, ... (n texts per shard)."""
     tokens = _tokens() * 3                               # 24 texts, 2 shards x 3 chunks x 4 texts
     capacity = packing.capacity_for([[len(t) for t in tokens]], 2, PACK, chunks=3)
-    out = packing.pack(tokens, 2, capacity, pad_id=0, what="passages", chunks=3)
+    out = _pack(tokens, 2, capacity, pad_id=0, what="passages", chunks=3)
     assert out["ids"].shape == (2, 3, capacity.rows, PACK) and out["first"].shape == (2, 3, 4)
     for s in range(2):
         for c in range(3):
@@ -160,9 +172,9 @@ def test_chunked_packing_holds_each_shards_strided_texts_per_chunk():
     assert (out["mask"] > 0).sum() == 3 * sum(LENGTHS)
     tight = packing.Capacity(capacity.rows - 1, PACK)
     with pytest.raises(packing.PackingOverflow, match=r"passages, shard \d, chunk \d: 4 texts"):
-        packing.pack(tokens, 2, tight, 0, "passages", chunks=3)
+        _pack(tokens, 2, tight, 0, "passages", chunks=3)
     with pytest.raises(ValueError, match="24 texts do not split into 2 batch shards x 5 chunks"):
-        packing.pack(tokens, 2, capacity, 0, "passages", chunks=5)
+        _pack(tokens, 2, capacity, 0, "passages", chunks=5)
 
 
 _CHECKPOINTS = {}
@@ -194,7 +206,7 @@ def test_packed_equals_padded_embeddings_and_gradients(family, impl, tmp_path_fa
     module, params, _, _ = fam.load(_checkpoint(family, tmp_path_factory))
     tokens = _tokens()
     ids, mask = _padded(tokens, fam.padding_side)
-    packed = packing.pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
+    packed = _pack(tokens, 2, packing.capacity_for([LENGTHS], 2, PACK), 0)
     weights = jnp.asarray(np.random.default_rng(2).normal(size=(len(LENGTHS), module.config.hidden_size)),
                           jnp.float32)
     encoders = {pooling: Encoder(module, pooling, fam.padding_side, family) for pooling in ("mean", "cls", "last")}
@@ -226,15 +238,15 @@ def test_packed_batches_give_the_padded_loss_and_gradients_on_8_devices(objectiv
     config = small_config(objective, **{"model.interaction": interaction, "train.steps": 3,
                                          "data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, params, path = load_encoder(config.model)
-    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
     monkeypatch.setattr(batches, "MEASURED_STEPS", 1)
     packed_setup = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8)
-    assert packed_setup.build.shapes.measured().tolist() == [0]
+    assert packed_setup.build.packing.shapes.measured().tolist() == [0]
     padded_setup = setup_lib.make_batch_setup(config_lib_override(config, {"data.packing": False}), data, encoder,
                                               path, obj)
-    caps = packed_setup.build.capacities
-    assert packed_setup.build.shards == 8 and set(caps) == ({"i", "qo", "p"} if interaction != "concat"
+    caps = packed_setup.build.packing.capacities
+    assert packed_setup.build.packing.shards == 8 and set(caps) == ({"i", "qo", "p"} if interaction != "concat"
                                                             else {"q", "p", "n"})
     texts = {s: 3 * (2 if s == "n" else 1) for s in caps}                          # 24 rows / 8 shards
     assert all(c.rows <= texts[s] for s, c in caps.items()) and sum(c.rows for c in caps.values()) < sum(texts.values())
@@ -261,11 +273,11 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96})
     encoder, _, path = load_encoder(config.model)
-    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
     build = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8).build
-    shapes = build.shapes
-    assert build.capacities == shapes.capacities(shapes.largest) and 1 <= len(shapes.rows) <= 3
+    shapes = build.packing.shapes
+    assert build.packing.capacities == shapes.capacities(shapes.largest) and 1 <= len(shapes.rows) <= 3
     most = {side: 0 for side in shapes.texts}
     for step in range(config.train.steps):                      # every step fits the rows of its shape
         batch = build(step)
@@ -281,13 +293,13 @@ def test_measured_capacity_fits_every_step_and_a_small_override_names_its_key():
     assert any(m > 2 for m in most.values()) and all(shapes.texts[s] < 4 * m for s, m in most.items())
     one = setup_lib.make_batch_setup(config_lib_override(config, {"data.pack_shapes": 1}), data, encoder, path,
                                      obj, num_devices=8).build
-    assert len(one.shapes.rows) == 1 and one.shapes.rows[0] == shapes.largest
-    for side, c in build.capacities.items():                    # some step fills each side of the one shape
+    assert len(one.packing.shapes.rows) == 1 and one.packing.shapes.rows[0] == shapes.largest
+    for side, c in build.packing.capacities.items():                    # some step fills each side of the one shape
         assert max(int((one(step)[side]["mask"].max(axis=-1) > 0).sum(axis=-1).max())
                    for step in range(config.train.steps)) == c.rows
     tight = config_lib_override(config, {"data.pack_rows_negatives": 1})
     small = setup_lib.make_batch_setup(tight, data, encoder, path, obj, num_devices=8).build
-    assert small.capacities["n"].rows == 1 and small.capacities["q"] == build.capacities["q"]
+    assert small.packing.capacities["n"].rows == 1 and small.packing.capacities["q"] == build.packing.capacities["q"]
     with pytest.raises(packing.PackingOverflow, match=r"step 0, side 'n'.*raise data.pack_rows_negatives"):
         small(0)
 
@@ -404,7 +416,7 @@ def test_a_step_not_measured_takes_the_cheapest_shape_that_holds_it_else_the_sha
         def holds(sh, rows):
             try:
                 for side, t in tokens.items():
-                    packing.pack(t, 2, sh.capacities(rows)[side], 0)
+                    _pack(t, 2, sh.capacities(rows)[side], 0)
                 return True
             except packing.PackingOverflow:
                 return False
@@ -440,29 +452,31 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
 
     config = small_config("multi_pi", **{"data.query_max_len": 96, "data.passage_max_len": 96, "train.steps": 5})
     encoder, _, path = load_encoder(config.model)
-    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
     obj = setup_lib.make_objective(config)
     monkeypatch.setattr(batches, "MEASURED_STEPS", 2)
     build = setup_lib.make_batch_setup(config, data, encoder, path, obj, num_devices=8).build
-    assert build.shapes.measured().tolist() == [0, 4]
-    tokenizer = build.texts.tokenizer
-    for side, rows in build.shapes.largest.items():          # a row more than the sample's most, per side
+    measured, step_texts = build.packing.shapes, build.step_texts
+    assert measured.measured().tolist() == [0, 4]
+    tokenizer = step_texts.texts.tokenizer
+    for side, rows in measured.largest.items():          # a row more than the sample's most, per side
         most = max(packing.capacity_for([[len(t) for t in tokenizer.tokens(
-            build.side_texts(step, local=False)[0][side], build.max_len(side))]], 8, build.shapes.lengths[side]).rows
+            step_texts.side_texts(step, local=False)[0][side], build.max_len(side))]], 8, measured.lengths[side]).rows
             for step in (0, 4))
-        assert rows == min(most + 1, len(build.side_texts(0, local=False)[0][side]) // 8)
+        assert rows == min(most + 1, len(step_texts.side_texts(0, local=False)[0][side]) // 8)
     # Shapes of one row per shard: every step then needs more rows than any shape has.
-    small = dataclasses.replace(build.shapes, rows=({s: 1 for s in build.shapes.largest},),
-                                largest={s: 1 for s in build.shapes.largest}, of_step=np.zeros(0, np.int32),
+    small = dataclasses.replace(measured, rows=({s: 1 for s in measured.largest},),
+                                largest={s: 1 for s in measured.largest}, of_step=np.zeros(0, np.int32),
                                 steps=np.zeros(0, np.int64))
-    for start in (build.shapes, small):
-        one = dataclasses.replace(build, shapes=start)
-        two = [dataclasses.replace(build, shapes=start, shards=4, process_index=i, process_count=2) for i in (0, 1)]
+    for start in (measured, small):
+        one = batches.BatchBuilder(step_texts, dataclasses.replace(build.packing, shapes=start))
+        two = [batches.BatchBuilder(dataclasses.replace(step_texts, process_index=i, process_count=2),
+                                    dataclasses.replace(build.packing, shapes=start, shards=4)) for i in (0, 1)]
         built = {}
         for step in range(config.train.steps):
             batch, info = one.assemble(step)
             built[step] = batch
-            texts, _ = one.side_texts(step)
+            texts, _ = step_texts.side_texts(step)
             needs = {}
             for side, packed in batch.items():
                 tokens = tokenizer.tokens(texts[side], one.max_len(side))
@@ -484,7 +498,7 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
                 for key in packing.KEYS:
                     np.testing.assert_array_equal(np.concatenate([h[0][side][key] for h in halves]),
                                                   batch[side][key])
-        fresh = dataclasses.replace(build, shapes=start)
+        fresh = batches.BatchBuilder(step_texts, dataclasses.replace(build.packing, shapes=start))
         for step in reversed(range(config.train.steps)):        # any order, any builder: the same batches
             for side, packed in fresh(step).items():
                 for key in packing.KEYS:

@@ -17,10 +17,10 @@ def build():
     records = synthetic.make_train_records(64, seed=2)
     store = token_store.in_memory(records, tiny_bert_path(), token_store.Encoding(40, 40))
     plan = batches.BatchPlan(len(store), 8, seed=0)
-    b = batches.BatchBuilder(store, plan, 40, 40, True, batches.InstructionNegativeSampler(len(store.pool), 2, 0),
-                             texts=batches.Texts(records, Tokenizer(tiny_bert_path()), TextFormat()), shards=2)
-    shapes = batches.measure_shapes(b, range(12), 2, max_shapes=2)
-    return dataclasses.replace(b, shapes=shapes, capacities=shapes.capacities(shapes.largest))
+    texts = batches.StepTexts(store, plan, 40, 40, True, batches.InstructionNegativeSampler(len(store.pool), 2, 0),
+                              texts=batches.Texts(records, Tokenizer(tiny_bert_path()), TextFormat()))
+    shapes = batches.measure_shapes(texts, range(12), 2, max_shapes=2)
+    return batches.BatchBuilder(texts, batches.Packing(shapes, shards=2))
 
 
 def _equal(a, b):
@@ -49,10 +49,12 @@ def test_streamed_steps_are_the_steps_built_in_line_from_any_start(build, worker
 def test_an_error_building_a_step_reaches_the_loop_as_itself(build, workers):
     """A step that does not fit its capacity: the loop gets the PackingOverflow naming the step and the key to
     raise, after the steps before it."""
-    tight = dataclasses.replace(build, shapes=None, capacities={s: packing.Capacity(1, c.length, c.texts)
-                                                                for s, c in build.capacities.items()},
-                                capacity_keys={"q": "data.pack_rows_query", "p": "data.pack_rows_passage",
-                                               "n": "data.pack_rows_negatives"})
+    shapes = build.packing.shapes
+    one_row = {s: 1 for s in shapes.largest}                # every step in one shape of one row per side
+    tight = dataclasses.replace(build, packing=dataclasses.replace(
+        build.packing, shapes=dataclasses.replace(shapes, rows=(one_row,), largest=one_row,
+                                                  of_step=np.zeros_like(shapes.of_step)),
+        row_keys={"q": "data.pack_rows_query", "p": "data.pack_rows_passage", "n": "data.pack_rows_negatives"}))
     with prefetch.StepStream(tight, 5, 9, workers=workers) as steps:
         with pytest.raises(packing.PackingOverflow, match=r"step 5, side '\w+'.*raise data.pack_rows_"):
             next(steps)

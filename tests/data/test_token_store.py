@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from infjax.benchmarks.shapes import inf_ir_shaped_records, write_byte_bpe_tokenizer
-from infjax.data import batches, token_store
+from infjax.data import batches, pipeline, synthetic, token_store
 from infjax.data.tokenize import TextFormat, Tokenizer
 from tests.helpers.configs import changed, small_config
+from tests.helpers.runs import data_fingerprint
 from tests.helpers.tiny import tiny_bert_path
 
 # Texts a byte-level BPE splits in many ways: accents, digits, punctuation runs, emoji, several spaces.
@@ -54,12 +55,12 @@ def tokenizers(tmp_path_factory):
     return {"wordpiece": tiny_bert_path(), "bpe": bpe, "bpe_bos": bos}
 
 
-def _builder(store, records, path, fmt, interaction="concat", k=3):
+def _step_texts(store, records, path, fmt, interaction="concat", k=3):
     plan = batches.BatchPlan(len(store), 8, seed=1)
     sampler = None if interaction == "cross_attention" else batches.InstructionNegativeSampler(len(store.pool), k, 1)
     meta = store.meta["encoding"]
-    return batches.BatchBuilder(store, plan, meta["query_max_len"], meta["passage_max_len"], True, sampler,
-                                interaction=interaction, texts=batches.Texts(records, Tokenizer(path), fmt))
+    return batches.StepTexts(store, plan, meta["query_max_len"], meta["passage_max_len"], True, sampler,
+                             interaction=interaction, texts=batches.Texts(records, Tokenizer(path), fmt))
 
 
 FORMATS = [("default", TextFormat(), "concat"),
@@ -78,7 +79,7 @@ def test_assembled_ids_are_the_tokenizers_ids_of_the_whole_texts(tokenizers, kin
     records = _records()
     store = token_store.in_memory(records, path, token_store.Encoding(24, 40, fmt, interaction))
     assert store.exact, store.meta["mismatch_example"]
-    build = _builder(store, records, path, fmt, interaction)
+    build = _step_texts(store, records, path, fmt, interaction)
     tokenizer = build.texts.tokenizer
     cut_seen = 0
     for step in range(3):
@@ -99,19 +100,17 @@ def test_assembled_ids_are_the_tokenizers_ids_of_the_whole_texts(tokenizers, kin
 
 def test_a_template_the_tokenizer_does_not_split_at_its_fields_is_tokenized_each_step(tokenizers, caplog):
     """Byte-level BPE reads "what?Find" unlike "what?" + "Find": the store says it cannot assemble the queries
-    (one warning naming an example), and the batches are then the tokenizer's own, built the old way."""
-    from infjax.training import setup as setup_lib
-
+    (one warning naming an example), and the batches are then the tokenizer's own, by per-step tokenization."""
     path = tokenizers["bpe"]
     records = _records()
     fmt = TextFormat("{query}{instruction}")
     config = changed(small_config(), **{"data.query_template": "{query}{instruction}", "data.query_max_len": 24,
                                         "data.passage_max_len": 40})
     with caplog.at_level(logging.WARNING):
-        data = setup_lib.open_training_data(config, path, records=records)
+        data = pipeline.open_training_data(config, path, records=records)
     assert not data.store.exact and data.store.meta["mismatch"] > 0
     assert "cannot be assembled from their fields' ids" in caplog.text and "the tokenizer gives" in caplog.text
-    build = _builder(data.store, list(data.records), path, fmt)
+    build = _step_texts(data.store, list(data.records), path, fmt)
     texts, _ = build.side_texts(2)
     sides, _ = build.side_ids(2)
     for side, v in sides.items():
@@ -121,7 +120,7 @@ def test_a_template_the_tokenizer_does_not_split_at_its_fields_is_tokenized_each
 
 def test_packed_and_padded_batches_equal_those_of_the_tokenized_texts(tokenizers):
     """The whole batch (packed over 4 shards; padded on the right and on the left) from the store equals the one
-    built the old way, from each step's texts through the tokenizer."""
+    built by per-step tokenization, from each step's texts through the tokenizer."""
     import dataclasses
 
     from infjax.data import packing
@@ -130,23 +129,19 @@ def test_packed_and_padded_batches_equal_those_of_the_tokenized_texts(tokenizers
     records = _records()
     fmt = TextFormat()
     store = token_store.in_memory(records, path, token_store.Encoding(24, 40, fmt))
-    old = dataclasses.replace(store, meta={**store.meta, "exact": False})      # the same data, tokenized per step
+    per_step = dataclasses.replace(store, meta={**store.meta, "exact": False})   # the same data, tokenized per step
+    new_t, old_t = _step_texts(store, records, path, fmt), _step_texts(per_step, records, path, fmt)
     for side_pad in ("right", "left"):
-        new_b = dataclasses.replace(_builder(store, records, path, fmt), padding_side=side_pad)
-        old_b = dataclasses.replace(_builder(old, records, path, fmt), padding_side=side_pad)
+        new_b = batches.BatchBuilder(new_t, padding_side=side_pad)
+        old_b = batches.BatchBuilder(old_t, padding_side=side_pad)
         for step in range(3):
             a, b = new_b(step), old_b(step)
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-    new_b, old_b = _builder(store, records, path, fmt), _builder(old, records, path, fmt)
-    sides = new_b.side_ids(0)[0]
-    caps = {s: packing.capacity_for([v.lengths.tolist()], 4, 48) for s, v in sides.items()}
-    caps = {s: packing.Capacity(c.rows + 1, c.length, c.texts) for s, c in caps.items()}
-    new_b, old_b = (dataclasses.replace(b, capacities=caps, shards=4) for b in (new_b, old_b))
+    packed = batches.Packing(batches.measure_shapes(new_t, range(3), 4, pack_lengths={"query": 48, "passage": 48}),
+                             shards=4)
+    new_b, old_b = batches.BatchBuilder(new_t, packed), batches.BatchBuilder(old_t, packed)
     for step in range(3):
-        try:
-            a, b = new_b(step), old_b(step)
-        except packing.PackingOverflow:
-            continue
+        a, b = new_b(step), old_b(step)
         for side in a:
             for key in packing.KEYS:
                 np.testing.assert_array_equal(a[side][key], b[side][key])
@@ -169,9 +164,7 @@ def _config(source, cache, **overrides):
 
 
 def _open(config):
-    from infjax.training import setup as setup_lib
-
-    return setup_lib.open_training_data(config, tiny_bert_path())
+    return pipeline.open_training_data(config, tiny_bert_path())
 
 
 def _arrays(store):
@@ -303,3 +296,13 @@ def _dataset(records):
     import datasets
 
     return datasets.Dataset.from_dict({k: [r[k] for r in records] for k in records[0]})
+
+
+def test_fingerprint_sees_order_and_content():
+    records = synthetic.make_train_records(5, seed=1)
+    fp = data_fingerprint(records)
+    assert fp == data_fingerprint([dict(r) for r in records]) and fp["records"] == 5
+    assert data_fingerprint(records[::-1])["hash"] != fp["hash"]
+    changed = [dict(r) for r in records]
+    changed[2]["query_positive"] += "!"
+    assert data_fingerprint(changed)["hash"] != fp["hash"]

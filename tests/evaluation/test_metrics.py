@@ -1,4 +1,5 @@
 """p-MRR on hand-computed cases; trec metrics through pytrec_eval."""
+import numpy as np
 import pytest
 
 from infjax.evaluation.metrics import p_mrr, p_mrr_per_query, rank_change_score, ranks, trec_metrics
@@ -72,3 +73,21 @@ def test_trec_metrics_known_values():
 def test_unknown_metric_is_refused():
     with pytest.raises(ValueError, match="unknown metrics"):
         trec_metrics({"q": {"d": 1}}, {"q": {"d": 1.0}}, ("ndcg@7",))
+
+
+def test_map_and_ndcg_equal_pytrec_eval_on_a_fixture():
+    import pytrec_eval
+
+    rng = np.random.default_rng(0)
+    docs = [f"d{i}" for i in range(30)]
+    qrels = {f"q{j}": {d: int(rng.integers(0, 3)) for d in rng.choice(docs, 8, replace=False)} for j in range(6)}
+    qrels["q_allzero"] = {"d1": 0, "d2": 0}
+    run = {q: {d: float(rng.integers(0, 5)) for d in docs} for q in qrels}      # integer scores: many ties
+    means, per_query = trec_metrics(qrels, run, ("map@1000", "map@100", "ndcg@5", "ndcg@10", "recall@100", "mrr"))
+    ref = pytrec_eval.RelevanceEvaluator(qrels, {"map_cut", "ndcg_cut", "recall", "recip_rank"}).evaluate(run)
+    names = {"map@1000": "map_cut_1000", "map@100": "map_cut_100", "ndcg@5": "ndcg_cut_5",
+             "ndcg@10": "ndcg_cut_10", "recall@100": "recall_100", "mrr": "recip_rank"}
+    for ours, theirs in names.items():
+        assert means[ours] == pytest.approx(np.mean([ref[q][theirs] for q in qrels]))
+        for q in qrels:
+            assert per_query[q][ours] == pytest.approx(ref[q][theirs])

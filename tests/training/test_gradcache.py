@@ -1,7 +1,5 @@
 """Gradient caching equals the plain step (loss and gradients), for every kind of encoder input: the very
 gradient function the trainer compiles (a run with it: test_lora_train's two-tower run)."""
-import dataclasses
-
 import jax
 import numpy as np
 import pytest
@@ -43,11 +41,11 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     cached_batch = batch
     if packed:
         shards = mesh_lib.batch_shards(mesh)
-        sides = build.side_ids(0, ids=False)[0]
-        build = dataclasses.replace(build, shards=shards, pack_lengths={"query": 96, "passage": 96},
-                                    chunks={side: len(v.lengths) // chunk_size for side, v in sides.items()})
-        shapes = batches.measure_shapes(build, range(1), shards)
-        build = dataclasses.replace(build, capacities=shapes.capacities(shapes.largest))
+        texts = build.step_texts
+        chunks = {side: len(n) // chunk_size for side, n in texts.side_lengths(0).items()}
+        shapes = batches.measure_shapes(texts, range(1), shards, chunks=chunks,
+                                        pack_lengths={"query": 96, "passage": 96})
+        build = batches.BatchBuilder(texts, batches.Packing(shapes, shards, chunks))
         cached_batch = mesh_lib.global_batch(build(0), mesh)
     optimizer, _ = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)

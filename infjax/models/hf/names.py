@@ -50,8 +50,10 @@ class NameMap:
 
 
 def abstract_params(module, seq_len: int = 1) -> dict:
-    """The parameter tree of ``module`` (called as ``module(ids, mask)``) as ShapeDtypeStructs, from an
-    abstract init: nothing is read or allocated. Same layout as the loaders' (scanned or not)."""
+    """The parameter tree of ``module`` (called as ``module(ids, mask)``) as ShapeDtypeStructs.
+
+    They come from an abstract init: nothing is read or allocated. Same layout as the loaders' (scanned or
+    not)."""
     ids = jnp.zeros((1, seq_len), jnp.int32)
     with attention.options(report=False):       # nothing is computed: no attention choice worth a log line
         return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), ids, jnp.ones_like(ids)))["params"]

@@ -52,9 +52,10 @@ def tensors(adapters: Mapping, family, config) -> dict[str, np.ndarray]:
 
 
 def target_pattern(modules: list[str]) -> str:
-    """A regex that PEFT full-matches against module names: exactly the adapted modules, layer numbers as
-    digits (so it names the bare model's modules and no others: on a *ForCausalLM model, whose modules carry
-    a `model.` prefix, PEFT finds no target and says so, rather than loading nothing silently)."""
+    """A regex that PEFT full-matches against module names: exactly the adapted modules.
+
+    Layer numbers are digits (so it names the bare model's modules and no others: on a *ForCausalLM model, whose modules
+    carry a `model.` prefix, PEFT finds no target and says so, rather than loading nothing silently)."""
     shapes = sorted({re.sub(r"\\\.\d+\\\.", r"\\.\\d+\\.", re.escape(m)) for m in modules})
     return "|".join(shapes) if len(shapes) == 1 else "(?:" + "|".join(shapes) + ")"
 

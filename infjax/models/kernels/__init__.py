@@ -27,9 +27,11 @@ from infjax.models.kernels.target import devices, platform  # noqa: F401 (the pa
 
 @contextlib.contextmanager
 def targeting(target_devices: Sequence):
-    """Compile for `target_devices` (e.g. compile-only H100s) inside the block: `platform()`, the attention
-    choices and the Pallas lowerings answer for them; on a CUDA target JAX's cuDNN attention checks read
-    their compute capability too (gpu.py). Nothing runs: this is for lowering and compiling only."""
+    """Compile for `target_devices` (e.g. compile-only H100s) inside the block.
+
+    Inside it, `platform()`, the attention choices and the Pallas lowerings answer for them; on a CUDA target JAX's
+    cuDNN attention checks read their compute capability too (gpu.py). Nothing runs: this is for lowering and compiling
+    only."""
     target_devices = tuple(target_devices)
     token = target.set_target(target_devices)
     try:

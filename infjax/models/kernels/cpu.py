@@ -162,9 +162,10 @@ def supports(q: jax.Array, k: jax.Array) -> bool:
 
 
 def _batch_partitioned(fn, rule: str):
-    """`fn` (an FFI call whose operands and results all lead with the batch) under `custom_partitioning`: a
-    batch-sharded operand stays sharded and each device runs the kernel on its own rows (without this, XLA
-    gathers the whole batch onto every device); every other dimension is replicated."""
+    """`fn` (an FFI call whose operands and results all lead with the batch) under `custom_partitioning`.
+
+    A batch-sharded operand stays sharded and each device runs the kernel on its own rows (without this, XLA gathers
+    the whole batch onto every device); every other dimension is replicated."""
     from jax.experimental.custom_partitioning import custom_partitioning
     from jax.sharding import NamedSharding, PartitionSpec
 

@@ -177,11 +177,12 @@ def cudnn_unsupported(q, k, causal: bool, window) -> str | None:
 
 
 def packed_arguments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
-    """cuDNN's packed-row arguments of segment ids [B, T]: the length of each sequence [B, M] and the offset of
-    its first token in the row [B, M + 1], M = `max_segments`, each row's sequences in order and the unused
-    entries -1 (JAX's convention for fewer sequences than M). A sequence is a run of one id, padding (0)
-    included: a left-padded row is two, the padding and the text that starts at its offset. A row must not
-    hold more than M runs (the caller's bound, `segment_slots`)."""
+    """cuDNN's packed-row arguments of segment ids [B, T]: each sequence's length [B, M] and offset [B, M + 1].
+
+    The length of each sequence [B, M] and the offset of its first token in the row [B, M + 1], M = `max_segments`,
+    each row's sequences in order and the unused entries -1 (JAX's convention for fewer sequences than M). A sequence
+    is a run of one id, padding (0) included: a left-padded row is two, the padding and the text that starts at its
+    offset. A row must not hold more than M runs (the caller's bound, `segment_slots`)."""
     b, t = segment_ids.shape
     seg = segment_ids
     before = jnp.concatenate([jnp.full((b, 1), -1, seg.dtype), seg[:, :-1]], axis=1)
@@ -199,17 +200,19 @@ def packed_arguments(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Arr
 
 
 def segment_slots(max_segments: int | None, length: int) -> int:
-    """The sequence slots per row that cuDNN gets: the caller's bound on texts (None: unknown, every token could
-    start one: the row length) and 2 for the padding before and after them, never more than the row length,
-    never fewer than MIN_SEGMENTS (module doc)."""
+    """The sequence slots per row that cuDNN gets: the caller's bound on texts, and 2 for the padding around them.
+
+    The bound on texts may be None: unknown, every token could start one: the row length. The 2 are for the padding
+    before and after them; never more than the row length, never fewer than MIN_SEGMENTS (module doc)."""
     return max(MIN_SEGMENTS, min((max_segments or length) + 2, length))
 
 
 def cudnn_attention(q, k, v, segment_ids, *, causal: bool = False, window: int | None = None,
                     max_segments: int | None = None) -> jax.Array:
     """Segment attention through cuDNN's packed flash attention (inputs must pass `cudnn_unsupported`).
-    `max_segments`: at most this many texts in a row (None: T, the safe bound of a caller that does not know
-    its batch; the encoder always knows). Padding tokens get a zero output and a zero gradient (module doc)."""
+
+    `max_segments`: at most this many texts in a row (None: T, the safe bound of a caller that does not know its batch;
+    the encoder always knows). Padding tokens get a zero output and a zero gradient (module doc)."""
     real = (segment_ids > 0)[:, :, None, None]
     q, k, v = (jnp.where(real, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
     lengths, offsets = packed_arguments(segment_ids, segment_slots(max_segments, segment_ids.shape[1]))
@@ -223,9 +226,10 @@ def cudnn_attention(q, k, v, segment_ids, *, causal: bool = False, window: int |
 
 @contextlib.contextmanager
 def answering_for(device):
-    """Inside the block, JAX's cuDNN attention checks (compute capability, asked of the local backend at
-    trace time) answer for `device`, a (compile-only) CUDA device: for compiling for a GPU that is not
-    here (`kernels.targeting`). Nothing else changes."""
+    """Inside the block, JAX's cuDNN attention checks answer for `device`, a (compile-only) CUDA device.
+
+    The checks (compute capability) are asked of the local backend at trace time; this is for compiling for a GPU that
+    is not here (`kernels.targeting`). Nothing else changes."""
     if _cudnn is None or cudnn_api_error():
         yield
         return

@@ -78,9 +78,10 @@ def _power_of_two(n: int) -> bool:
 
 
 def blocks_for(t: int, block: int = MAX_BLOCK) -> int | None:
-    """Block size the kernels use along a row of length ``t`` when asked for ``block``: ``block`` (a power of
-    two in [16, 64]) halved until it divides ``t`` (64 for T = 128, 512, ...; 32 for T = 32 or 96; 16 for T = 16
-    or 48); None where even 16 does not divide ``t`` (or ``block`` is not such a power of two)."""
+    """Block size the kernels use along a row of length ``t`` when asked for ``block``.
+
+    ``block`` (a power of two in [16, 64]) halved until it divides ``t`` (64 for T = 128, 512, ...; 32 for T = 32 or
+    96; 16 for T = 16 or 48); None where even 16 does not divide ``t`` (or ``block`` is not such a power of two)."""
     if not (_power_of_two(block) and MIN_BLOCK <= block <= MAX_BLOCK) or t <= 0:
         return None
     while block > MIN_BLOCK and t % block:
@@ -351,11 +352,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, lo: jax.Array, hi: jax.Array, *,
                     block_q: int = MAX_BLOCK, block_k: int = MAX_BLOCK, interpret: bool = False) -> jax.Array:
-    """Attention of q [B, T, N, D] over k/v [B, T, K, D] (N % K == 0), query t of row b seeing the keys
-    lo[b, t] <= j < hi[b, t] ([B, T] int32; an empty range gives a zero output). Scale D**-0.5. Output
-    [B, T, N, D] in q's dtype; differentiable in q, k, v. Blocks: ``blocks_for(T, block_q)`` and
-    ``blocks_for(T, block_k)``. ``interpret=True`` runs the kernels in Pallas' interpreter (any backend).
-    Raises ValueError with ``supports``' reason on inputs the kernel does not take."""
+    """Attention of q [B, T, N, D] over k/v [B, T, K, D] (N % K == 0), each query over a range of keys.
+
+    Query t of row b sees the keys lo[b, t] <= j < hi[b, t] ([B, T] int32; an empty range gives a zero output). Scale
+    D**-0.5. Output [B, T, N, D] in q's dtype; differentiable in q, k, v. Blocks: ``blocks_for(T, block_q)`` and
+    ``blocks_for(T, block_k)``. ``interpret=True`` runs the kernels in Pallas' interpreter (any backend). Raises
+    ValueError with ``supports``' reason on inputs the kernel does not take."""
     reason = supports(q, k, block_q, block_k)
     if reason is None and (v.shape != k.shape or jnp.dtype(v.dtype) != jnp.dtype(k.dtype)):
         reason = f"v {tuple(v.shape)} {jnp.dtype(v.dtype).name} differs from k {tuple(k.shape)} " \

@@ -41,9 +41,10 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 def key_ranges(segment_ids: jax.Array, causal: bool, window: jax.Array | int | None) -> tuple[jax.Array, jax.Array]:
-    """First and one-past-last key [B, T] int32 that each query attends to: its segment, cut to the keys not
-    after it (`causal`) and to those at most `window` positions away (`window` may be a traced scalar, < 0
-    meaning none). Padding (segment 0) gets the empty range [0, 0)."""
+    """First and one-past-last key [B, T] int32 that each query attends to.
+
+    That is its segment, cut to the keys not after it (`causal`) and to those at most `window` positions away (`window`
+    may be a traced scalar, < 0 meaning none). Padding (segment 0) gets the empty range [0, 0)."""
     b, t = segment_ids.shape
     idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     new = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)

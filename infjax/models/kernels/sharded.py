@@ -24,10 +24,11 @@ def _size(mesh, axes) -> int:
 
 
 def specs(sharding: NamedSharding | None, rows: int, heads: tuple[int, ...]) -> tuple[P, P] | str | None:
-    """(row spec, [B, T, N, D] spec) of the per-device blocks under `sharding` (that of the [B, T, H]
-    activations: its first entry names the batch axes); None where there is nothing to split (no sharding,
-    one device); a reason (str) where the rows cannot be split evenly. `heads`: the head counts of the
-    operands (query and key/value heads), split over ``tensor`` only if each is a multiple of it."""
+    """(row spec, [B, T, N, D] spec) of the per-device blocks under `sharding`; None or a reason where none apply.
+
+    `sharding` is that of the [B, T, H] activations: its first entry names the batch axes. None where there is nothing
+    to split (no sharding, one device); a reason (str) where the rows cannot be split evenly. `heads`: the head counts
+    of the operands (query and key/value heads), split over ``tensor`` only if each is a multiple of it."""
     if sharding is None or not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
         return None
     spec = tuple(sharding.spec)
@@ -43,9 +44,10 @@ def specs(sharding: NamedSharding | None, rows: int, heads: tuple[int, ...]) -> 
 
 
 def per_shard(fn: Callable, sharding: NamedSharding | None, q, k, v, segment_ids, *extra) -> jax.Array:
-    """`fn(q, k, v, segment_ids, *extra)` (q [B, T, N, D], k/v [B, T, K, D], segment_ids [B, T] -> [B, T, N, D];
-    `extra`: arrays every device gets whole, e.g. a traced window) run on each device's block (see `specs`;
-    a reason string there must have been handled by the caller)."""
+    """`fn(q, k, v, segment_ids, *extra)` run on each device's block (see `specs`).
+
+    Shapes: q [B, T, N, D], k/v [B, T, K, D], segment_ids [B, T] -> [B, T, N, D]; `extra`: arrays every device gets
+    whole, e.g. a traced window. A reason string from `specs` must have been handled by the caller."""
     found = specs(sharding, q.shape[0], (q.shape[2], k.shape[2]))
     if found is None:
         return fn(q, k, v, segment_ids, *extra)

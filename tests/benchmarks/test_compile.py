@@ -104,8 +104,9 @@ def test_many_host_targets():
 
 def test_paper_keeps_the_keys_given_on_the_command_line(tmp_path):
     """--paper sets lengths, dtype, hard negatives and the batch, except where --config.KEY=VALUE says otherwise.
-    Before: `--paper --config.model.dtype=float32 --config.data.passage_max_len=1024 --config.train.batch_size=8
-    --config.data.hard_negatives=False` compiled bf16, 512 tokens, 32 records, hard negatives on."""
+
+    Given float32, 1024 passage tokens, 8 records and no hard negatives with --paper, the program is compiled
+    with those, and with the paper's values for every key not given."""
     argv = ["--config=configs/multi_pi.py", "--target=h100", "--paper", "--config.model.dtype=float32",
             "--config.data.passage_max_len=1024", "--config.train.batch_size=8", "--config.data.hard_negatives=False"]
     fv = bench_compile._flags(argv)
@@ -142,7 +143,8 @@ def test_the_report_names_lengths_records_per_device_and_dtype_first(capsys, tmp
 
 
 def test_out_is_checked_before_any_work(tmp_path, capsys):
-    """Before: --out=<an existing folder> compiled for minutes, printed the report, then exited 2 with no JSON."""
+    """--out is checked before anything is compiled: a folder, or a file in a folder that does not exist, is
+    refused naming the flag."""
     with pytest.raises(UserError, match=r"--out=.*: is a folder; name the JSON file to write"):
         bench_compile.main(["--config=configs/multi_pi.py", "--target=h100", f"--out={tmp_path}"])
     with pytest.raises(UserError, match="is not a writable folder"):

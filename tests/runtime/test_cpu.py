@@ -1,4 +1,5 @@
-"""host_memory: when the entry points restart with glibc's huge-page tunable, and that it cuts the faults."""
+"""infjax/runtime/cpu.py: when the entry points restart with glibc's huge-page tunable, and that it cuts the
+faults; the CPU settings follow the platform a run uses."""
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 
 from infjax.errors import ConfigError
 from infjax.runtime import cpu as hm
+from tests.helpers.plugins import CUDA, TPU, fake_plugins
 
 LINUX = dict(system="Linux", libc="glibc", mode="madvise")
 CPU = {"JAX_PLATFORMS": "cpu"}
@@ -107,22 +109,10 @@ def test_with_the_tunable_a_step_faults_its_temporary_in_by_huge_pages():
     assert temp >= pages * 4096, temp                                   # the program has the temporary
     assert plain >= pages // 2, plain                                   # mapped afresh each call, 4 KiB at a time
     assert huge <= plain // 10, (huge, plain)
-
-
-# ---- an accelerator plugin installed where its hardware is not (a `gpu` install on a CPU machine, libtpu off a TPU VM)
-
-CUDA, TPU = "jax_plugins.xla_cuda13", "libtpu"
-
-
-def fake_plugins(monkeypatch, hardware: dict):
-    """Installed accelerator plugins and whether this machine shows their hardware (None: cannot be told)."""
-    monkeypatch.setattr(hm, "accelerator_plugins", lambda: sorted(hardware))
-    monkeypatch.setattr(hm, "hardware_visible", lambda plugin: hardware[plugin])
-
-
 def test_the_cpu_settings_follow_the_platform_the_run_uses_not_the_plugins_installed(monkeypatch):
-    """Before: any installed plugin switched the huge pages off, although a `gpu` install on a machine without a
-    GPU runs on the CPU."""
+    """The huge pages follow the platform the run uses: on for a CPU run even with accelerator plugins
+    installed (a `gpu` install on a machine without a GPU), off where a plugin's hardware is there or cannot
+    be told."""
     fake_plugins(monkeypatch, {CUDA: False, TPU: False})
     assert hm.runs_on_cpu({}) and hm.huge_pages_env({}, **LINUX) is not None
     fake_plugins(monkeypatch, {CUDA: True, TPU: False})                 # a GPU machine
@@ -131,75 +121,3 @@ def test_the_cpu_settings_follow_the_platform_the_run_uses_not_the_plugins_insta
     assert not hm.runs_on_cpu({})
     fake_plugins(monkeypatch, {})
     assert hm.runs_on_cpu({})
-
-
-def test_a_plugin_without_its_hardware_keeps_jax_to_the_cpu_saying_so_once(monkeypatch, caplog):
-    """Before: `1 global devices (cpu)` at INFO after JAX's 19-line `Jax plugin configuration error ... Unable to
-    load cuPTI` traceback (and libtpu, off a TPU VM, held /tmp/libtpu_lockfile, which other JAX processes then
-    reported). Now JAX is kept to the CPU before it tries the plugins, with one warning."""
-    import logging
-
-    from infjax.runtime import platform
-
-    class Config:                                          # jax.config, before JAX starts its backends
-        def __init__(self):
-            self.jax_platforms, self.updates = None, []
-
-        def update(self, key, value):
-            self.updates.append((key, value))
-            setattr(self, key, value)
-
-    config = Config()
-    monkeypatch.setattr(platform, "backends_started", lambda: False)
-    monkeypatch.setattr(platform, "_said", [])
-    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    fake_plugins(monkeypatch, {CUDA: False, TPU: False})
-    with caplog.at_level(logging.WARNING, logger="infjax"):
-        platform.choose(config)
-        platform.choose(config)
-    assert config.updates == [("jax_platforms", "cpu")]
-    assert [r.getMessage() for r in caplog.records] == [
-        "JAX's accelerator plugins jax_plugins.xla_cuda13 and libtpu are installed, but this machine shows no NVIDIA "
-        "GPU or TPU chip, so this run is on the CPU; set JAX_PLATFORMS=cpu to choose the CPU and silence this line"]
-    assert platform.cpu_only([CUDA, TPU], [TPU]) is None                # a GPU is there: JAX chooses
-    assert platform.cpu_only([], []) is None
-
-
-def test_a_plugin_that_fails_to_start_is_one_warning_without_jax_s_traceback(monkeypatch, caplog):
-    """A GPU machine whose CUDA install is broken: JAX logs the plugin's failure as a traceback and trains on the
-    CPU, unnoticed at INFO. The same records, as JAX's plugin discovery emits them, become one warning."""
-    import logging
-
-    from infjax.runtime import platform
-
-    monkeypatch.setattr(platform, "_said", [])
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")            # choose() only installs the filter
-    fake_plugins(monkeypatch, {CUDA: True, TPU: False})
-    platform.choose()
-    jax_log = logging.getLogger(platform.JAX_LOGGER)
-    with caplog.at_level(logging.INFO):
-        jax_log.setLevel(logging.INFO)
-        for _ in range(2):                                 # as jax._src.xla_bridge.discover_pjrt_plugins does
-            try:
-                try:
-                    raise RuntimeError("jaxlib/cuda/versions_helpers.cc:52: operation cuptiGetVersion(&version) "
-                                       "failed: Unknown CUPTI error 999. This probably means that JAX was unable to "
-                                       "load cupti.")
-                except RuntimeError as cause:
-                    raise RuntimeError("Unable to load cuPTI. Is it installed?") from cause
-            except RuntimeError:
-                jax_log.exception("Jax plugin configuration error: Exception when calling %s.initialize()", CUDA)
-        jax_log.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: libtpu.so: cannot "
-                     "open shared object file: No such file or directory")
-        jax_log.warning("An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not installed. "
-                        "Falling back to cpu.")
-        jax_log.warning("Platform 'x' is experimental and not all JAX functionality may be correctly supported!")
-    jax_log.setLevel(logging.NOTSET)
-    lines = [(r.name, r.levelname, r.getMessage()) for r in caplog.records]
-    assert lines == [
-        ("infjax.platform", "WARNING", "JAX's accelerator plugin jax_plugins.xla_cuda13 is installed but could not "
-         "start (Unable to load cuPTI. Is it installed?), so this run is on the CPU; repair the plugin's install, or "
-         "set JAX_PLATFORMS=cpu to run on the CPU without trying it"),
-        (platform.JAX_LOGGER, "WARNING", "Platform 'x' is experimental and not all JAX functionality may be "
-         "correctly supported!")]
-    assert not any(r.exc_info for r in caplog.records)

@@ -147,3 +147,19 @@ def test_mteb_scores_equal_infjax_evaluate_through_the_adapter_and_the_export(tr
             assert s["og_unrounded"]["ndcg_at_5"] == pytest.approx(ref["ndcg@5"], abs=1e-6), (spec, label)
             assert s["og"]["map_at_1000"] == round(ref["map@1000"], 5)          # MTEB's reported (rounded) figures
             assert s["og"]["ndcg_at_5"] == round(ref["ndcg@5"], 5)
+
+
+def test_mteb_adapter_formats_queries_and_passages():
+    from infjax.inference.sources import EmbeddingModel
+    from infjax.evaluation.mteb_adapter import InfjaxMTEBModel
+
+    seen = {}
+    model = EmbeddingModel("fake", "hf", None, TextFormat(query_prefix="query: ", passage_prefix="passage: "), 64, 64,
+                           lambda t: seen.setdefault("q", list(t)) and fake_embed(t),
+                           lambda t: seen.setdefault("p", list(t)) and fake_embed(t))
+    adapter = InfjaxMTEBModel(model)
+    q = adapter.encode(["what is x"], prompt_type="query", instruction="only recent")
+    assert seen["q"] == ["query: what is x only recent"] and q.shape == (1, 64)
+    adapter.encode([{"title": "T", "text": "body"}], prompt_type="passage")
+    assert seen["p"] == ["passage: T body"]
+    assert adapter.encode_queries(["a", "b"]).shape == (2, 64)
