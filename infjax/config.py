@@ -171,6 +171,9 @@ def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDi
                                        # tokenized once per data, tokenizer, lengths and text format, reused by
                                        # later runs, resumes and every process of the host; a local (or shared)
                                        # folder, memory-mapped; "" = $INFJAX_CACHE_DIR, else ~/.cache/infjax
+    c.data.cache_shared = False        # True: data.cache_dir is shared on purpose (a team's cache): entries and
+                                       # Arrow folders other users wrote are used (their digests still checked).
+                                       # False: such an entry is refused in one line (it may hold planted ids)
     c.data.tokenize_workers = -1       # processes that tokenize the data once (-1 = one per core, or this
                                        # process alone for fewer than 20,000 rows; 0 = this process)
     c.data.step_workers = -1           # processes that assemble steps ahead of the loop (data/prefetch.py):
@@ -299,7 +302,7 @@ def override(c: ml_collections.ConfigDict, values: dict) -> ml_collections.Confi
 # Keys that may differ between a checkpoint's config and the config that resumes it.
 RESUMABLE_CHANGES = ("resume", "preset", "log_every", "log.", "train.steps", "train.epochs", "train.nonfinite",
                      "train.max_skipped", "train.stop_grace_s",
-                     "data.resume_if_changed", "data.cache_dir", "data.tokenize_workers", "data.step_workers",
+                     "data.resume_if_changed", "data.cache_dir", "data.cache_shared", "data.tokenize_workers", "data.step_workers",
                      "data.prefetch",
                      "train.chunk_size", "data.packing", "data.pack_rows_query", "data.pack_rows_passage",
                      "data.pack_rows_negatives", "data.pack_length_query", "data.pack_length_passage",
@@ -433,6 +436,7 @@ def _validate_data(c) -> None:
     _check(isinstance(c.data.cache_dir, str) and not _is_url(c.data.cache_dir), "data.cache_dir",
            c.data.cache_dir, "must be a local folder (the token cache is memory-mapped; the workdir may still be on "
            "an object store), or empty for $INFJAX_CACHE_DIR or ~/.cache/infjax")
+    _check(isinstance(c.data.cache_shared, bool), "data.cache_shared", c.data.cache_shared, "must be True or False")
     for key in ("tokenize_workers", "step_workers"):
         _check(isinstance(c.data[key], int) and c.data[key] >= -1, f"data.{key}", c.data[key],
                "must be an integer >= -1 (-1 = chosen for this machine, 0 = this process)")

@@ -78,6 +78,20 @@ DEVICE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG, errno.EROFS
 EXIT_INTERRUPTED = 130
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)     # a full disk, a full quota
+
+
+def full_disk(error: BaseException) -> OSError | None:
+    """The OSError of a full disk or quota behind `error` (itself, its cause or context), else None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in FULL_DISK:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def byte_size(n: float) -> str:
     """`n` bytes in the binary unit that shows it: "512 bytes", "4.08 MiB", "1.23 GiB", "215 GiB"."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

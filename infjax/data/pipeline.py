@@ -85,12 +85,13 @@ def open_training_data(config, model_path: str, padding_side: str = "right", rec
         names = tuple(s.strip() for s in data.splits.split(",") if s.strip())
         root = token_store.cache_root(data.get("cache_dir", ""))
         tokenizer = Tokenizer(model_path, padding_side)
-        identity, arrow_dirs = token_store.identify(data.source, names, root)
+        shared = data.get("cache_shared", False)
+        identity, arrow_dirs = token_store.identify(data.source, names, root, shared)
         splits = inf_ir.SplitOpener(data.source, names, data.field_map, data.limit, arrow_dirs)
         key = token_store.cache_key(identity, data.field_map, data.limit, reading, tokenizer, encoding)
         store = token_store.open_cached(lambda: token_store.Job(splits(), model_path, padding_side, encoding),
                                         reading, key, root,
-                                        data.get("tokenize_workers", -1) if workers is None else workers)
+                                        data.get("tokenize_workers", -1) if workers is None else workers, shared)
     for line in store.meta["warnings"]:
         log.warning("%s", line)
     if not store.exact:

@@ -42,7 +42,12 @@ source.npy [R] (the row each came from, over the splits in order), kept.npy
 [N] (the clean records that train, duplicates dropped), pool.npy [P]
 (training record * 7 + field of each distinct instruction's first occurrence),
 own.npy [N, 2] (the pool index of each training record's I+ and I-),
-meta.json (written last: what was built, its warnings, its fingerprint).
+meta.json (written last: what was built, its warnings, its fingerprint, and
+the SHA-256 of every other file). An entry is used only when each file has
+its size and its digest (`check`: about 0.7 s per GB read; a file that
+differs is said in one warning and the entry is built again), and only when
+this user alone wrote it (`trust.foreign`; `data.cache_shared` for a folder
+shared on purpose).
 """
 from __future__ import annotations
 
@@ -67,14 +72,14 @@ from typing import Any
 
 import numpy as np
 
-from infjax.data import inf_ir
+from infjax.data import inf_ir, trust
 from infjax.data.inf_ir import FIELDS, BadRowError
 from infjax.data.tokenize import QueryParts, TextFormat, Tokenizer
-from infjax.errors import ConfigError, UserError, byte_size
+from infjax.errors import ConfigError, RunStopped, UserError, byte_size, describe, full_disk
 
 log = logging.getLogger("infjax.data")
 
-VERSION = 1                 # of the cache's layout and of what its pieces hold
+VERSION = 2                 # of the cache's layout and of what its pieces hold (2: meta.json holds digests)
 F = {name: i for i, name in enumerate(FIELDS)}
 I_POS, Q_POS, P_POS, I_NEG, Q_NEG, P_NEG1, P_NEG2 = (F[n] for n in FIELDS)
 QUERY_FIELDS = (I_POS, Q_POS, I_NEG, Q_NEG)          # cut at the query side's length
@@ -390,6 +395,14 @@ def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progres
     or are skipped and counted, one warning per split; a split whose every row is bad is refused."""
     from tqdm.auto import tqdm
 
+    if reading.on_bad_row == "error":              # a null or blank field stops the run now, not at its row
+        t0 = time.perf_counter()
+        for split, dataset, resolved in job.sources:
+            bad = inf_ir.first_empty_row(dataset, resolved, split)
+            if bad is not None:
+                raise bad
+        log.info("no null or blank field in %d rows (checked in %.1f s, before tokenizing)",
+                 sum(len(ds) for _, ds, _ in job.sources), time.perf_counter() - t0)
     tasks = _tasks(job.sources, job.chunk_rows)
     total = sum(len(ds) for _, ds, _ in job.sources)
     workers = _worker_count(workers, total)
@@ -579,6 +592,7 @@ def build(job: Job, reading: Reading, key: dict, folder: str | None, workers: in
         return TokenStore(tokens=tokens, meta=meta, **store_arrays)
     for name, value in store_arrays.items():
         np.save(os.path.join(folder, f"{name}.npy"), value)
+    meta["files"] = {name: file_digest(os.path.join(folder, name)) for name in FILES}
     with open(os.path.join(folder, "meta.json"), "w", encoding="utf-8") as f:   # last: the folder is whole
         json.dump(meta, f, indent=1)
     return read_folder(folder)
@@ -612,7 +626,8 @@ def key_digest(key: dict) -> str:
     return hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
-def identify(source: str, splits: Sequence[str], root: str) -> tuple[list[dict], tuple[str | None, ...]]:
+def identify(source: str, splits: Sequence[str], root: str, shared: bool = False
+             ) -> tuple[list[dict], tuple[str | None, ...]]:
     """Each split of `source` by its content, for the cache key; and where its local files become Arrow files.
 
     A split of local files is the SHA-256 of each file's bytes (`file_digest`), and its Arrow files go into
@@ -632,8 +647,11 @@ def identify(source: str, splits: Sequence[str], root: str) -> tuple[list[dict],
             arrow_dirs.append(None)
         else:
             digests = [file_digest(f) for f in files]
-            identity.append({"split": split, "files": digests})
-            arrow_dirs.append(os.path.join(root, "arrow", key_digest({"files": digests})))
+            identity.append({"split": split, "files": digests, "bytes": sum(os.path.getsize(f) for f in files)})
+            arrow_dir = os.path.join(root, "arrow", key_digest({"files": digests}))
+            os.makedirs(os.path.dirname(arrow_dir), mode=0o755, exist_ok=True)
+            trusted(arrow_dir, "Arrow folder", root, shared)
+            arrow_dirs.append(arrow_dir)
     log.info("training data identified by content in %.1f s (%s)", time.perf_counter() - t0, ", ".join(
         f"{i['split']}: {len(i['files'])} file(s)" if "files" in i else f"{i['split']}: hub" for i in identity))
     return identity, tuple(arrow_dirs)
@@ -652,7 +670,10 @@ def cache_key(identity: list[dict], field_map: str, limit: int, reading: Reading
 class BuildLock:
     """An exclusive flock on ROOT/tokens/KEY.lock while a store is built or checked.
 
-    A process that waits says who holds it, every minute."""
+    A process that waits says who holds it when it starts waiting, then every `SAY_EVERY` seconds."""
+
+    SAY_EVERY = 60.0          # seconds between two "waiting" lines
+    POLL = 1.0                # seconds between two tries of the lock
 
     def __init__(self, path: str):
         self.path, self.fd = path, None
@@ -665,20 +686,18 @@ class BuildLock:
             what = "is a link (refused)" if e.errno == errno.ELOOP else f"cannot be opened: {e.strerror or e}"
             raise UserError(f"token cache lock {self.path} {what}; set config.data.cache_dir to a folder this "
                             f"process can write") from None
-        waited = time.monotonic()
+        say_at = time.monotonic()
         while True:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError:
-                if time.monotonic() - waited >= 60 or waited == 0:
+                if time.monotonic() >= say_at:
                     holder = os.pread(self.fd, 4096, 0).decode(errors="replace") or "unknown"
                     log.info("waiting for another process to finish the token cache %s (holder: %s)",
                              self.path[:-5], holder)
-                    waited = time.monotonic() if waited else waited
-                time.sleep(1.0)
-                if waited and time.monotonic() - waited >= 60:
-                    waited = 0
+                    say_at = time.monotonic() + self.SAY_EVERY
+                time.sleep(self.POLL)
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                        "since": datetime.datetime.now().isoformat(timespec="seconds")}).encode(), 0)
@@ -691,22 +710,29 @@ class BuildLock:
         return False
 
 
-def open_cached(make_job: Callable[[], Job], reading: Reading, key: dict, root: str, workers: int = -1
-                ) -> TokenStore:
+def open_cached(make_job: Callable[[], Job], reading: Reading, key: dict, root: str, workers: int = -1,
+                shared: bool = False) -> TokenStore:
     """The store of `key` under `root`: read when a whole one is there, else built from `make_job()`.
 
-    The sources are opened only then; one process per key builds, the others wait for it."""
+    The sources are opened only then; one process per key builds, the others wait for it. An entry another
+    user may have written is refused (UserError), unless `shared` (config.data.cache_shared)."""
     name = key_digest(key)
     tokens_dir = os.path.join(root, "tokens")
+    os.makedirs(tokens_dir, mode=0o755, exist_ok=True)
     folder = os.path.join(tokens_dir, name)
     meta = os.path.join(folder, "meta.json")
-    if os.path.isfile(meta) and intact(folder):
-        return _hit(folder)
+    if os.path.isfile(meta):
+        trusted(folder, "token cache entry", root, shared)
+        checked = check(folder)
+        if not checked.problem:
+            return _hit(folder, checked)
     with BuildLock(folder + ".lock"):
         if os.path.isfile(meta):                  # built by the process that held the lock, or damaged
-            if intact(folder):
-                return _hit(folder)
-            log.warning("token cache %s is damaged (%s): tokenizing again", folder, intact(folder, why=True))
+            trusted(folder, "token cache entry", root, shared)
+            checked = check(folder)
+            if not checked.problem:
+                return _hit(folder, checked)
+            log.warning("token cache %s is damaged (%s): tokenizing again", folder, checked.problem)
         for stale in os.listdir(tokens_dir):       # left by a builder that died: nobody holds the lock
             if stale.startswith(name + ".tmp-"):
                 shutil.rmtree(os.path.join(tokens_dir, stale), ignore_errors=True)
@@ -716,45 +742,91 @@ def open_cached(make_job: Callable[[], Job], reading: Reading, key: dict, root: 
         os.makedirs(tmp)
         try:
             store = build(make_job(), reading, key, tmp, workers)
+            trust.private(tmp)
             os.replace(tmp, folder)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        log.info("token cache %s written (%s)", folder, byte_size(_size(folder)))
+            full = full_disk(e)
+            if full is None:
+                raise
+            raise RunStopped(f"the token cache {root} ran out of space ({describe(full)}): tokenizing this data "
+                             f"needs {_needs(key)} there, {byte_size(shutil.disk_usage(root).free)} are free now. "
+                             f"The unfinished entry was removed and nothing was trained; free space there, or set "
+                             f"config.data.cache_dir to a folder with room") from None
+        log.info("token cache %s written (%s; a SHA-256 of each file, checked when it is read)", folder,
+                 byte_size(_size(folder)))
         del store                                  # mapped from the temporary folder's name
         return read_folder(folder)
 
 
-def intact(folder: str, why: bool = False):
-    """Whether a cache folder's files are whole: each of the sizes meta.json says.
+def _needs(key: dict) -> str:
+    """What a build of `key` takes on disk, from its data files' size (docs/data.md §6: the Arrow files are up
+    to 3x a parquet file's bytes, about 1x a JSON file's; the token cache about 1x a parquet file's)."""
+    data = sum(split.get("bytes", 0) for split in key.get("data", []))
+    if not data:
+        return "room for the Arrow files and the token ids"
+    return f"up to about {byte_size(4 * data)} (4x the data files' {byte_size(data)}: Arrow files and token ids)"
 
-    A cut file, a missing one, another folder's file are not; with `why`, what is wrong (a string, "" when
-    nothing is)."""
-    problem = ""
+
+def trusted(folder: str, what: str, root: str, shared: bool) -> None:
+    """Refuse `folder` (UserError, one line) when another user may have written it, unless `shared`."""
+    problem = trust.foreign(folder)
+    if not problem:
+        return
+    if not shared:
+        raise UserError(trust.refusal(folder, what, problem, root))
+    log.info("%s %s is used although %s: %s=True says %s is shared on purpose", what, folder, problem,
+             trust.SHARED_FLAG, root)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What `check` found: the problem ("" when none), the bytes it read and the seconds it took."""
+
+    problem: str
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+def check(folder: str) -> Checked:
+    """Whether a cache folder holds what meta.json says: every file of the size it says, then of the digest.
+
+    A cut file, a missing one, another folder's file or one whose bytes changed in place is not whole;
+    `Checked.problem` names the first such file."""
+    t0 = time.perf_counter()
     try:
         with open(os.path.join(folder, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
         size = os.path.getsize(os.path.join(folder, "tokens.bin"))
         want = meta["tokens"] * np.dtype(meta["dtype"]).itemsize
+        if size != want:
+            return Checked(f"tokens.bin has {size} bytes, meta.json says {want}")
         lengths = {"offset": meta["clean_records"], "length": meta["clean_records"], "uncut": meta["clean_records"],
                    "source": meta["clean_records"], "kept": meta["records"], "pool": meta["instructions"],
                    "own": meta["records"]}
-        if size != want:
-            problem = f"tokens.bin has {size} bytes, meta.json says {want}"
         for name, n in lengths.items():
             rows = np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r").shape[0]
-            if not problem and rows != n:
-                problem = f"{name}.npy has {rows} rows, meta.json says {n}"
-    except (OSError, ValueError, KeyError) as e:
-        problem = f"{type(e).__name__}: {e}"
-    return problem if why else not problem
+            if rows != n:
+                return Checked(f"{name}.npy has {rows} rows, meta.json says {n}")
+        digests = meta["files"]
+        nbytes = 0
+        for name in FILES:
+            path = os.path.join(folder, name)
+            nbytes += os.path.getsize(path)
+            if file_digest(path) != digests[name]:
+                return Checked(f"{name} is not the file that was written: its SHA-256 differs from the one "
+                               f"meta.json holds")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return Checked(f"{type(e).__name__}: {e}")
+    return Checked("", nbytes, time.perf_counter() - t0)
 
 
-def _hit(folder: str) -> TokenStore:
+def _hit(folder: str, checked: Checked) -> TokenStore:
     store = read_folder(folder)
     m = store.meta
-    log.info("token cache %s: %d records, %d ids, tokenized %s on %s in %.0f s", folder, m["records"], m["tokens"],
-             m["built"], m["host"], m["seconds"])
+    log.info("token cache %s: %d records, %d ids, tokenized %s on %s in %.0f s; its files match their digests "
+             "(%s read in %.1f s)", folder, m["records"], m["tokens"], m["built"], m["host"], m["seconds"],
+             byte_size(checked.nbytes), checked.seconds)
     return store
 
 

@@ -306,3 +306,220 @@ def test_fingerprint_sees_order_and_content():
     changed = [dict(r) for r in records]
     changed[2]["query_positive"] += "!"
     assert data_fingerprint(changed)["hash"] != fp["hash"]
+
+
+def test_a_waiting_process_says_who_holds_the_cache_when_it_starts_waiting_then_once_per_interval(
+        tmp_path, caplog, monkeypatch):
+    """A process waiting for another's cache build logs the holder at once, then every SAY_EVERY seconds, however
+    often it tries the lock (scaled down here: tries every 20 ms, a line every 0.5 s, held 1.2 s: 3 lines)."""
+    import threading
+
+    monkeypatch.setattr(token_store.BuildLock, "POLL", 0.02)
+    monkeypatch.setattr(token_store.BuildLock, "SAY_EVERY", 0.5)
+    path = str(tmp_path / "tokens" / "k.lock")
+    holder = token_store.BuildLock(path).__enter__()
+    release = threading.Timer(1.2, holder.__exit__, (None, None, None))
+    release.start()
+    with caplog.at_level(logging.INFO, logger="infjax"), token_store.BuildLock(path):
+        pass
+    release.join()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for another process")]
+    assert 2 <= len(lines) <= 4, lines                  # 0, 0.5 and 1.0 s; not one per try (about 60)
+    assert all(f'"pid": {os.getpid()}' in line and str(tmp_path / "tokens" / "k") in line for line in lines), lines
+
+
+def _built(tmp_path, n=10):
+    data_file = _write(tmp_path / "msmarco.jsonl", _records(n))
+    config = _config(data_file, tmp_path / "cache")
+    store = _open(config).store
+    first, folder = _arrays(store), store.folder
+    del store                                  # no map of the files is left
+    gc.collect()
+    return config, first, folder
+
+
+def _flip(path, start, count):
+    data = bytearray(open(path, "rb").read())
+    for i in range(start, start + count):
+        data[i] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+
+
+def _rotate_ids(path):
+    ids = np.fromfile(path, np.uint16)
+    np.roll(ids, 1).tofile(path)
+
+
+def _move_counts(path):
+    length = np.load(path)
+    length[0, 0], length[0, 1] = length[0, 1], length[0, 0] + 1      # row 0's counts moved, its sum kept + 1
+    length[1, 0] -= 1
+    np.save(path, length)
+
+
+DAMAGE = {"640 bytes of tokens.bin flipped": ("tokens.bin", lambda p: _flip(p, 0, 640)),
+          "tokens.bin's ids rotated by one": ("tokens.bin", _rotate_ids),
+          "counts moved inside length.npy": ("length.npy", _move_counts),
+          "64 bytes of offset.npy flipped": ("offset.npy", lambda p: _flip(p, os.path.getsize(p) - 64, 64))}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_an_entry_whose_bytes_changed_but_not_its_sizes_is_said_and_built_again(tmp_path, caplog, damage):
+    """A file of a cache entry changed in place, its size kept (bytes flipped, ids rotated, counts moved):
+    one warning names the file, and the entry is tokenized again, equal to the first, so no step trains on
+    the changed ids."""
+    name, change = DAMAGE[damage]
+    config, first, folder = _built(tmp_path, n=40)
+    path = os.path.join(folder, name)
+    size = os.path.getsize(path)
+    change(path)
+    assert os.path.getsize(path) == size and token_store.check(folder).problem
+    with caplog.at_level(logging.WARNING):
+        again = _open(config).store
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"token cache {folder} is damaged ({name} is not the file that was written: its SHA-256 differs from the "
+        f"one meta.json holds): tokenizing again"]
+    for k, v in first.items():
+        np.testing.assert_array_equal(_arrays(again)[k], v, err_msg=k)
+
+
+def test_a_whole_entry_says_what_its_check_read(tmp_path, caplog):
+    config, first, folder = _built(tmp_path)
+    nbytes = sum(os.path.getsize(os.path.join(folder, n)) for n in token_store.FILES)
+    with caplog.at_level(logging.INFO, logger="infjax.data"):
+        _open(config)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"token cache {folder}:")]
+    assert f"its files match their digests ({token_store.byte_size(nbytes)} read in " in line, line
+
+
+def _as_another_users(folder, monkeypatch):
+    """Make `folder` (and all under it) another user's: chown where this process may (root), else make this
+    process another user for data/trust.py (the files stay the real user's)."""
+    if os.geteuid() == 0:
+        for here, dirs, files in os.walk(folder):
+            for path in [here] + [os.path.join(here, n) for n in dirs + files]:
+                os.lchown(path, 4242, 4242)
+        return "is owned by uid 4242, not by this user"
+    monkeypatch.setattr(token_store.trust.os, "geteuid", lambda: 4242)
+    return "is owned by"
+
+
+def _plant(folder):
+    """Another user's ids under the key: the first record's ids zeroed, meta.json's digests made to agree."""
+    path = os.path.join(folder, "tokens.bin")
+    _flip(path, 0, 8)
+    meta_path = os.path.join(folder, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["files"]["tokens.bin"] = token_store.file_digest(path)
+    json.dump(meta, open(meta_path, "w"))
+
+
+@pytest.mark.parametrize("how", ["owned by another user", "writable by every user"])
+def test_an_entry_another_user_may_have_written_is_refused_unless_the_cache_is_shared(tmp_path, caplog, monkeypatch,
+                                                                                      how):
+    """An entry planted under the key a run computes (its digests made to agree) by another user, or one that
+    every user can write, is not read: one line names it, why, and the two ways on; with data.cache_shared
+    it is used, and the line says so."""
+    config, first, folder = _built(tmp_path)
+    _plant(folder)
+    if how == "owned by another user":
+        why = _as_another_users(folder, monkeypatch)
+    else:
+        os.chmod(os.path.join(folder, "tokens.bin"), 0o666)
+        why = "tokens.bin can be written by its group and every user (mode 666)"
+    with pytest.raises(token_store.UserError) as e:
+        _open(config)
+    line = str(e.value)
+    assert line.startswith(f"token cache entry {folder} is not used: ") and why in line, line
+    assert line.endswith(f"Use a cache folder of your own (config.data.cache_dir; now {tmp_path / 'cache'}), or, if "
+                         f"{tmp_path / 'cache'} is shared on purpose, set config.data.cache_shared=True"), line
+    with caplog.at_level(logging.INFO, logger="infjax.data"):
+        shared = _open(changed(config, **{"data.cache_shared": True})).store
+    assert f"token cache entry {folder} is used although" in caplog.text
+    assert "config.data.cache_shared=True says" in caplog.text
+    assert shared.folder == folder and not np.array_equal(np.asarray(shared.tokens), first["tokens"])   # as asked
+
+
+def test_an_arrow_folder_another_user_owns_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    config, first, folder = _built(tmp_path)
+    arrow = tmp_path / "cache" / "arrow"
+    [entry] = os.listdir(arrow)
+    why = _as_another_users(str(arrow / entry), monkeypatch)
+    with pytest.raises(token_store.UserError) as e:
+        _open(config)
+    assert str(e.value).startswith(f"Arrow folder {arrow / entry} is not used: ") and why in str(e.value)
+
+
+def test_what_this_user_builds_is_private_whatever_its_umask(tmp_path):
+    """With a umask that lets the group write (002), the entry and the Arrow folder are still this user's
+    alone, so the next run trusts them."""
+    old = os.umask(0o002)
+    try:
+        config, first, folder = _built(tmp_path)
+    finally:
+        os.umask(old)
+    [arrow] = os.listdir(tmp_path / "cache" / "arrow")
+    for path in (folder, str(tmp_path / "cache" / "arrow" / arrow)):
+        assert token_store.trust.foreign(path) == "", path
+        for here, dirs, files in os.walk(path):
+            assert all(not os.lstat(os.path.join(here, n)).st_mode & 0o022 for n in dirs + files)
+
+
+def _disk_full_at_arrow(monkeypatch):
+    """datasets' JSON builder meeting a full disk as it writes the Arrow files: it wraps the OSError."""
+    import errno
+
+    import datasets
+
+    def load_dataset(*args, cache_dir=None, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(cache_dir, "json-train.arrow"))
+        except OSError as e:
+            raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset") from e
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+
+
+def _disk_full_at_tokens(monkeypatch):
+    import errno
+
+    def save(path, value):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(token_store.np, "save", save)
+
+
+@pytest.mark.parametrize("where", ["Arrow files", "token ids"])
+def test_a_full_disk_under_the_cache_names_the_cache_what_it_needs_and_what_is_free(tmp_path, monkeypatch, where):
+    """A full disk while the Arrow files or the token ids are written is the cache's disk, not the data: one
+    line names the cache folder, what the build needs and what is free, exit 3; no entry is left."""
+    data_file = _write(tmp_path / "d3k.jsonl", _records(10))
+    (_disk_full_at_arrow if where == "Arrow files" else _disk_full_at_tokens)(monkeypatch)
+    cache = tmp_path / "cache"
+    with pytest.raises(token_store.RunStopped) as e:
+        _open(_config(data_file, cache))
+    line, size = str(e.value), token_store.byte_size(os.path.getsize(data_file))
+    assert e.value.exit_code == 3 and "d3k.jsonl: cannot be read" not in line
+    assert line.startswith(f"the token cache {cache} ran out of space (no space left on the device writing "), line
+    assert f"needs up to about {token_store.byte_size(4 * os.path.getsize(data_file))} (4x the data files' {size}" \
+           in line and " are free now. The unfinished entry was removed and nothing was trained" in line, line
+    assert [n for n in os.listdir(cache / "tokens") if not n.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("blank", ["missing", "null", "whitespace"])
+def test_a_blank_field_late_in_the_data_stops_the_run_before_tokenizing(tmp_path, caplog, blank):
+    """A field missing, null or blank at row 90 of 100 is found in the Arrow table before the tokenizing pass
+    starts (which would reach it last), with the pass's own line naming the row and field; skip still skips it."""
+    from infjax.data.inf_ir import BadRowError
+
+    rows = _records(100)
+    if blank == "missing":
+        del rows[90]["instruction_negative"]
+    else:
+        rows[90]["instruction_negative"] = None if blank == "null" else " \t "
+    data_file = _write(tmp_path / "msmarco.jsonl", rows)
+    with caplog.at_level(logging.INFO, logger="infjax.data"), pytest.raises(BadRowError) as e:
+        _open(_config(data_file, tmp_path / "cache"))
+    reason = "value is None (null)" if blank != "whitespace" else "empty after cleaning"
+    assert str(e.value) == (f"InF-IR split 'msmarco' row 90, field 'instruction_negative' (source column "
+                            f"'instruction_negative'): {reason}")
+    assert "tokenizing" not in caplog.text
+    assert len(_open(_config(data_file, tmp_path / "cache", **{"data.on_bad_row": "skip"})).store) == 99
