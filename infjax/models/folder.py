@@ -142,6 +142,20 @@ def fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _tokenizer_chosen_by(path: str, config: dict, read_as: str) -> str:
+    """The key that chose `read_as`, the class transformers read a folder's tokenizer files with."""
+    file = os.path.join(path, "tokenizer_config.json")
+    try:
+        named = json.load(open(file, encoding="utf-8")).get("tokenizer_class") if os.path.isfile(file) else None
+    except (OSError, ValueError, AttributeError):
+        named = None
+    named = named if isinstance(named, str) and named else None
+    if named and named.removesuffix("Fast") == read_as.removesuffix("Fast"):
+        return f"tokenizer_config.json's tokenizer_class {named!r}"
+    over = f", over tokenizer_config.json's tokenizer_class {named!r}" if named else ""
+    return f"config.json's model_type {config.get('model_type')!r}{over}"
+
+
 def _check_vocabulary(path: str, config: dict, tokenizer, weights: bool) -> None:
     """Refuse a tokenizer that does not fit the embedding table.
 
@@ -154,8 +168,11 @@ def _check_vocabulary(path: str, config: dict, tokenizer, weights: bool) -> None
     where = f"{path}/config.json has vocab_size={rows}"
     if largest >= rows:
         raise FolderUnusable(f"{path}: its tokenizer gives ids up to {largest}, past the embedding table ({where}): "
-                             f"they would read other rows; the tokenizer files are not this model's: copy the "
-                             f"tokenizer files of the model this folder was made from")
+                             f"they would read other rows. transformers reads the tokenizer files as "
+                             f"{type(tokenizer).__name__}, as "
+                             f"{_tokenizer_chosen_by(path, config, type(tokenizer).__name__)} says: if that is "
+                             f"not this model's, set it to the model's own; else copy the tokenizer files of the "
+                             f"model this folder was made from")
     if weights and len(tokenizer) < MIN_VOCAB_SHARE * rows:
         raise FolderUnusable(f"{path}: its tokenizer has {len(tokenizer)} tokens for an embedding table of "
                              f"{rows} rows ({where}): it is not the tokenizer these weights were trained with; copy "
@@ -179,6 +196,9 @@ def read_modules(path: str) -> list[dict]:
         where = os.path.join(path, sub) if sub else path
         shown = sub.rstrip("/") + "/" if sub else "./"
         named = f"{file} names module {module.get('idx', i)} ({kind or 'no type'}) in {shown}"
+        if hf_files.outside(sub):
+            raise FolderUnusable(f"{named}, outside the folder: a module is a sub-folder named relative to it; "
+                                 f"{remedy}")
         if kind == "Normalize":
             continue                              # no files: sentence-transformers builds it from nothing
         if sub and not os.path.isdir(where):
@@ -232,6 +252,19 @@ def pooling(path: str) -> str | None:
     return None
 
 
+def _check_weights_fit(path: str, config_file: str, config: dict, family, family_config) -> None:
+    """The weights' tensor names and shapes (read from the files' headers) against what config.json makes of
+    them, before anything is built: a folder whose config.json names another family or other sizes is one line."""
+    problems = family.names.problems(hf_files.tensor_shapes(path), family_config)
+    if not problems:
+        return
+    shown = "; ".join(p if len(p) <= 160 else p[:157] + "...]" for p in problems)
+    model_type = config.get("model_type", "bert")
+    raise FolderUnusable(f"{config_file}: model_type {model_type!r} and the sizes it gives disagree with the weights "
+                         f"of {path} ({shown}); set model_type and the sizes to those of the model the weights "
+                         f"are, or copy the folder again")
+
+
 def check(path: str, *, weights: bool = True, reader: str = "infjax") -> ModelFolder:
     """`path` (a local folder) checked as a whole (see the module docstring) before a library reads it.
 
@@ -253,15 +286,22 @@ def check(path: str, *, weights: bool = True, reader: str = "infjax") -> ModelFo
     if reader == "infjax":
         try:
             family = by_model_type(config.get("model_type", "bert"), config_file)
-            family.config.from_hf_dict(config, source=config_file)       # the keys the family needs
+            family_config = family.config.from_hf_dict(config, source=config_file)     # the keys the family needs
             if weights:
                 hf_files.safetensors_files(path)   # the files (the index's shards); refuses pickles, naming them
         except ValueError as e:
             raise FolderUnusable(str(e)) from None
+        if weights:
+            _check_weights_fit(path, config_file, config, family, family_config)
     elif weights and not (any(n.endswith(".safetensors") for n in os.listdir(path))
                           or os.path.isfile(os.path.join(path, "pytorch_model.bin"))):
         raise FolderUnusable(f"{path}: no weights (model.safetensors or pytorch_model.bin); copy them from the "
                              f"model this folder was made from")
+    elif weights and os.path.isfile(os.path.join(path, hf_files.SAFETENSORS_INDEX)):
+        try:                                       # the index's shards, by the rule infjax's reader keeps
+            hf_files.safetensors_files(path)
+        except ValueError as e:
+            raise FolderUnusable(str(e)) from None
     modules = read_modules(path)
     tokenizer = load_tokenizer(path)
     _check_vocabulary(path, config, tokenizer, weights)

@@ -106,6 +106,77 @@ def test_every_module_that_modules_json_names_is_checked(tiny):
     _refused(tiny, f"{modules_file}: expected a list of modules")
 
 
+@pytest.mark.parametrize("name", ["../evilpool", "/abs/evilpool", "1_Pooling/../../evilpool"])
+@pytest.mark.parametrize("reader", ["infjax", "sentence_transformers"])
+def test_a_module_named_outside_the_folder_is_refused_by_either_reader(tiny, tmp_path, name, reader):
+    """modules.json naming a module outside the folder (../x, an absolute path) is refused, though the module is
+    there and whole: what a folder's file names is inside it."""
+    pool = os.path.join(tiny, "1_Pooling")
+    target = os.path.normpath(os.path.join(tiny, name)) if not os.path.isabs(name) else name
+    if not os.path.isabs(name):
+        shutil.copytree(pool, target)
+    modules_file = os.path.join(tiny, "modules.json")
+    modules = json.load(open(modules_file))
+    modules[1]["path"] = name
+    json.dump(modules, open(modules_file, "w"))
+    _refused(tiny, f"{modules_file} names module 1 (Pooling) in {name}/, outside the folder: a module is a "
+                   f"sub-folder named relative to it", reader=reader)
+
+
+def _shard(tiny):
+    """The tiny BERT's weights as shards and an index, as save_pretrained writes a large model."""
+    from infjax.models.hf import files as hf_files
+
+    tensors = hf_files.read_safetensors(os.path.join(tiny, "model.safetensors"))
+    os.remove(os.path.join(tiny, "model.safetensors"))
+    written = hf_files.save_safetensors(tiny, tensors, max_shard_size=sum(t.nbytes for t in tensors.values()) // 2)
+    assert len(written) >= 3 and written[-1] == hf_files.SAFETENSORS_INDEX
+    return os.path.join(tiny, hf_files.SAFETENSORS_INDEX), written[:-1]
+
+
+@pytest.mark.parametrize("reader", ["infjax", "sentence_transformers"])
+def test_a_shard_index_is_held_to_one_rule_by_either_reader(tiny, tmp_path, reader):
+    """A sharded folder passes; an index whose second shard is missing, or that names a shard outside the
+    folder (present there), is refused by both readers, naming the index."""
+    index, shards = _shard(tiny)
+    folder_lib.check(tiny, reader=reader)
+    os.rename(os.path.join(tiny, shards[1]), tmp_path / shards[1])
+    with pytest.raises((folder_lib.FolderUnusable, CheckpointNotFound)) as e:
+        folder_lib.check(tiny, reader=reader)
+    assert f"{index} lists shard(s) that are missing: ['{shards[1]}']" in str(e.value), str(e.value)
+    content = json.load(open(index))
+    content["weight_map"] = {k: (f"../{shards[1]}" if v == shards[1] else v) for k, v in content["weight_map"].items()}
+    json.dump(content, open(index, "w"))
+    with pytest.raises((folder_lib.FolderUnusable, CheckpointNotFound)) as e:
+        folder_lib.check(tiny, reader=reader)
+    assert f"{index} names shard(s) outside its folder: ['../{shards[1]}']" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("change", [{"model_type": "llama"}, {"model_type": "qwen2"}, {"intermediate_size": 48}])
+def test_a_config_json_the_weights_do_not_fit_is_refused_naming_the_key(tiny, change):
+    """config.json naming another family (llama, qwen2 on BERT weights) or other sizes is refused from the
+    weights' headers, before a model is built, naming model_type and what disagrees."""
+    config_file = os.path.join(tiny, "config.json")
+    config = json.load(open(config_file))
+    json.dump({**config, **change}, open(config_file, "w"))
+    message = _refused(tiny, f"{config_file}: model_type {change.get('model_type', 'bert')!r} and the sizes it "
+                             f"gives disagree with the weights of {tiny} (")
+    assert ("missing tensors: ['embed_tokens.weight'" in message if "model_type" in change
+            else "shape mismatches: ['encoder.layer.0.intermediate.dense.weight: expected (48, 32), got (64, 32)'"
+            in message), message
+    if change.get("model_type") == "qwen2":           # without the weights, the tokenizer it chooses is seen
+        _refused(tiny, "transformers reads the tokenizer files as Qwen2Tokenizer, as config.json's model_type "
+                       "'qwen2', over tokenizer_config.json's tokenizer_class 'BertTokenizer' says", weights=False)
+    else:
+        folder_lib.check(tiny, weights=False)         # a restore reads no weights: nothing to compare
+
+
+def test_a_tokenizer_class_that_is_not_the_models_is_named(tiny):
+    file = os.path.join(tiny, "tokenizer_config.json")
+    json.dump({**json.load(open(file)), "tokenizer_class": "GPT2Tokenizer"}, open(file, "w"))
+    _refused(tiny, "as tokenizer_config.json's tokenizer_class 'GPT2Tokenizer' says")
+
+
 def test_the_files_a_family_needs_are_checked(tiny, tmp_path):
     os.remove(os.path.join(tiny, "model.safetensors"))
     with pytest.raises(CheckpointNotFound, match=f"no model.safetensors or model.safetensors.index.json in {tiny}"):

@@ -203,13 +203,29 @@ def _to_float32(x: np.ndarray) -> np.ndarray:
     return x
 
 
+def outside(name: str) -> bool:
+    """Whether `name`, a file or folder a model folder's own file names, leaves the folder.
+
+    Such a name is relative and stays inside when normalized (``1_Pooling``, ``model-00001.safetensors``); an
+    absolute name or one that climbs out (``../pool``) does not. Only the name is judged: a file inside that is a
+    link (the Hugging Face cache is made of them) is allowed."""
+    return os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == ".." or "\x00" in name
+
+
 def safetensors_files(folder: str) -> list[str]:
-    """Weight files of a checkpoint folder, sharded or not; refuses pickles."""
+    """Weight files of a checkpoint folder, sharded or not; refuses pickles, and an index naming a file that is
+    missing or outside the folder."""
     index = os.path.join(folder, SAFETENSORS_INDEX)
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+            raise CheckpointNotFound(f"{index}: its weight_map is not a mapping of tensor names to file names")
         shards = sorted(set(weight_map.values()))
+        escaping = [s for s in shards if outside(s)]
+        if escaping:
+            raise CheckpointNotFound(f"{index} names shard(s) outside its folder: {escaping}; a shard is a file "
+                                     f"of the folder, named relative to it")
         missing = [s for s in shards if not os.path.isfile(os.path.join(folder, s))]
         if missing:
             raise CheckpointNotFound(f"{index} lists shard(s) that are missing: {missing}")
@@ -245,6 +261,22 @@ def weights_digest(path: str) -> str:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
     return h.hexdigest()
+
+
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} of a checkpoint folder's safetensors files, from their headers alone."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(path):
+        try:
+            with open(file, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if not 2 <= size <= min(os.path.getsize(file) - 8, 100 << 20):
+                    raise ValueError(f"a header of {size} bytes")
+                header = json.loads(f.read(size))
+            shapes.update({name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"})
+        except (ValueError, KeyError, TypeError) as e:
+            raise WeightsUnreadable(file, e) from None
+    return shapes
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:

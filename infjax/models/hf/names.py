@@ -11,6 +11,7 @@ nothing here knows a family.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Any, Callable, Iterator, Mapping
 
@@ -37,16 +38,34 @@ class NameMap:
     def from_hf(self, tensors: Mapping[str, np.ndarray], config, scan_layers: bool = False) -> dict:
         """HF tensors -> the family's Flax tree for `config` (host float32; stacked when `scan_layers`)."""
         what = self.what(config) if callable(self.what) else self.what
-        params = params_from_hf(tensors, self.entries(config), module_param_shapes(self.module(config)), what=what,
+        params = params_from_hf(tensors, self.entries(config), self.shapes(config), what=what,
                                 prefixes=self.prefixes, ignorable=self.ignorable)
         count = config.num_hidden_layers - self.scanned_from
         if scan_layers and count > 0:
             params = L.stack_layers(params, self.scanned_from, count)
         return params
 
+    def shapes(self, config) -> dict[tuple[str, ...], tuple[int, ...]]:
+        """The parameter shapes of the family's module for `config` (an abstract init, remembered per config:
+        a folder's check and its load ask for the same)."""
+        try:
+            return _shapes_of(self.module, config)
+        except TypeError:                           # a config that cannot be a key
+            return module_param_shapes(self.module(config))
+
+    def problems(self, shapes_by_name: Mapping[str, tuple[int, ...]], config) -> list[str]:
+        """How a checkpoint's tensors (name: shape, from the files' headers) fail to fit `config` ([]: they fit)."""
+        return match(shapes_by_name, self.entries(config), self.shapes(config),
+                     prefixes=self.prefixes, ignorable=self.ignorable)[1]
+
     def to_hf(self, params: Mapping, config, prefix: str = "") -> dict[str, np.ndarray]:
         """Flax tree (unrolled or scanned) -> float32 numpy by HF bare-model name, with `prefix` prepended."""
         return params_to_hf(L.unstack_layers(params, self.scanned_from), self.entries(config), prefix)
+
+
+@functools.lru_cache(maxsize=32)
+def _shapes_of(module_class: type, config) -> dict[tuple[str, ...], tuple[int, ...]]:
+    return module_param_shapes(module_class(config))
 
 
 def abstract_params(module, seq_len: int = 1) -> dict:
@@ -93,32 +112,26 @@ def _get_path(tree: Mapping, path: tuple[str, ...]) -> Any:
     return node
 
 
-def params_from_hf(tensors: Mapping[str, np.ndarray], name_map: Iterator[Entry],
-                   shapes: Mapping[tuple[str, ...], tuple[int, ...]], *, what: str,
-                   prefixes: tuple[str, ...] = (), ignorable: re.Pattern | None = None) -> dict:
-    """Map HF tensors to an (unrolled) Flax parameter tree through ``name_map``.
+def match(shapes_by_name: Mapping[str, tuple[int, ...]], name_map: Iterator[Entry],
+          shapes: Mapping[tuple[str, ...], tuple[int, ...]], *, prefixes: tuple[str, ...] = (),
+          ignorable: re.Pattern | None = None) -> tuple[list[Entry], list[str]]:
+    """How HF tensors (by name: shape) fit ``name_map`` and the Flax ``shapes``: (the entries that fit, problems).
 
-    Names may carry one of ``prefixes``. Raises ``ValueError`` naming missing
-    tensors, unexpected tensors (except those matching ``ignorable``) and shape
-    mismatches. Returns host float32 numpy arrays.
-    """
-    tensors = strip_prefixes(tensors, prefixes)
-    params: dict = {}
-    known, missing, bad_shape = set(), [], []
+    Names may carry one of ``prefixes``. A problem names the missing tensors, the unexpected ones (except those
+    matching ``ignorable``) and the shape mismatches; none when every entry fits."""
+    found = strip_prefixes(shapes_by_name, prefixes)
+    fits, known, missing, bad_shape = [], set(), [], []
     for hf_name, path, transpose in name_map:
         known.add(hf_name)
-        if hf_name not in tensors:
+        if hf_name not in found:
             missing.append(hf_name)
             continue
-        value = np.asarray(tensors[hf_name], dtype=np.float32)
-        value = np.ascontiguousarray(value.T) if transpose else value
-        want = shapes.get(path)
-        if value.shape != want:
-            bad_shape.append(f"{hf_name}: expected {tuple(want[::-1]) if transpose and want else want}, "
-                             f"got {tuple(np.shape(tensors[hf_name]))}")
+        got, want = tuple(found[hf_name]), shapes.get(path)
+        if (got[::-1] if transpose else got) != want:
+            bad_shape.append(f"{hf_name}: expected {tuple(want[::-1]) if transpose and want else want}, got {got}")
             continue
-        _set_path(params, path, value)
-    unexpected = sorted(n for n in tensors if n not in known and not (ignorable and ignorable.search(n)))
+        fits.append((hf_name, path, transpose))
+    unexpected = sorted(n for n in found if n not in known and not (ignorable and ignorable.search(n)))
     problems = []
     if missing:
         problems.append(f"missing tensors: {missing}")
@@ -126,8 +139,24 @@ def params_from_hf(tensors: Mapping[str, np.ndarray], name_map: Iterator[Entry],
         problems.append(f"unexpected tensors: {unexpected}")
     if bad_shape:
         problems.append(f"shape mismatches: {bad_shape}")
+    return fits, problems
+
+
+def params_from_hf(tensors: Mapping[str, np.ndarray], name_map: Iterator[Entry],
+                   shapes: Mapping[tuple[str, ...], tuple[int, ...]], *, what: str,
+                   prefixes: tuple[str, ...] = (), ignorable: re.Pattern | None = None) -> dict:
+    """Map HF tensors to an (unrolled) Flax parameter tree through ``name_map``.
+
+    Raises ``ValueError`` with `match`'s problems. Returns host float32 numpy arrays.
+    """
+    tensors = strip_prefixes(tensors, prefixes)
+    fits, problems = match({n: np.shape(t) for n, t in tensors.items()}, name_map, shapes, ignorable=ignorable)
     if problems:
         raise ValueError(f"checkpoint does not match the {what} config; " + "; ".join(problems))
+    params: dict = {}
+    for hf_name, path, transpose in fits:
+        value = np.asarray(tensors[hf_name], dtype=np.float32)
+        _set_path(params, path, np.ascontiguousarray(value.T) if transpose else value)
     return params
 
 
