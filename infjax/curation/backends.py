@@ -214,9 +214,52 @@ def split_userinfo(url: str) -> tuple[str, str]:
 
 
 def redacted_url(url: str) -> str:
-    """`url` as it may be shown: a ``user:key@`` part is replaced by ``***@``."""
+    """`url` as it may be shown: a ``user:key@`` part is replaced by ``***@``, each query value by ``***``."""
     m = _USERINFO.match(url)
-    return url if not m else (m.group(1) or "") + f"{REDACTED}@" + url[m.end():]
+    url = url if not m else (m.group(1) or "") + f"{REDACTED}@" + url[m.end():]
+    head, sep, query = url.partition("?")
+    query, hash_, fragment = query.partition("#")
+    return head + sep + _redacted_query(query) + hash_ + fragment
+
+
+def _redacted_query(query: str) -> str:
+    return "&".join(f"{part.partition('=')[0]}={REDACTED}" if "=" in part else part
+                    for part in query.split("&")) if query else query
+
+
+# A query parameter whose value is a secret: redacted wherever the client shows text (every query value is
+# redacted in the URL shown).
+_SECRET_NAME = re.compile(r"key|token|secret|sig|pass|auth|cred|session|code", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where chat requests go, from a base URL such as ``https://user:key@host/v1?api-version=1``.
+
+    ``url`` is sent (``/chat/completions`` appended to the path, before the query; the userinfo and the
+    fragment left out: the userinfo is sent as Basic authentication); ``shown`` is that URL as a message
+    may hold it (every query value ``***``); ``userinfo`` the ``user:password`` part; ``query_values`` the values,
+    raw and decoded, of the parameters named like a secret (``?api_key=...``, ``token``, ``sig``): the client keeps
+    them out of every line it shows or writes."""
+
+    url: str
+    shown: str
+    userinfo: str
+    query_values: tuple[str, ...]
+
+    @classmethod
+    def of(cls, base_url: str) -> "Endpoint":
+        bare, userinfo = split_userinfo(base_url)
+        parts = urllib.parse.urlsplit(bare)
+        url = urllib.parse.urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/chat/completions",
+                                                     fragment=""))
+        raw = [value for name, _, value in (part.partition("=") for part in parts.query.split("&"))
+               if _SECRET_NAME.search(urllib.parse.unquote_plus(name))]
+        values = tuple(sorted(v for v in {*raw, *(urllib.parse.unquote_plus(v) for v in raw)} if v))
+        shown = urllib.parse.urlunsplit(parts._replace(
+            netloc=f"{REDACTED}@{parts.netloc}" if userinfo else parts.netloc,
+            path=parts.path.rstrip("/") + "/chat/completions", query=_redacted_query(parts.query), fragment=""))
+        return cls(url, shown, userinfo, values)
 
 
 def escaped(text: str) -> str:
@@ -276,12 +319,13 @@ class OpenAIBackend(Backend):
         super().__init__(model, cache)
         import httpx
 
-        bare, userinfo = split_userinfo(base_url.rstrip("/"))
-        self._endpoint = bare + "/chat/completions"           # sent without the userinfo: httpx never sees it
-        self.url = redacted_url(base_url.rstrip("/")) + "/chat/completions"
+        endpoint = Endpoint.of(base_url)
+        userinfo = endpoint.userinfo
+        self._endpoint = endpoint.url           # sent without the userinfo: httpx never sees it
+        self.url = endpoint.shown
         self.concurrency, self.max_retries, self.backoff, self.max_wait = concurrency, max_retries, backoff, max_wait
         self.timeout = timeout
-        secrets = [api_key]
+        secrets = [api_key, *endpoint.query_values]
         self._headers, self._auth = {}, None
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -292,6 +336,7 @@ class OpenAIBackend(Backend):
             token = base64.b64encode(f"{user}:{password}".encode()).decode()
             secrets += [userinfo, f"{user}:{password}", raw_user, raw_password, user, password, token]
         self.redact = Redactor(secrets)
+        self.url = self.redact(self.url)        # a key written into the path too
         self._httpx = httpx
 
     def close(self):
@@ -381,7 +426,8 @@ class OpenAIBackend(Backend):
                 if status == 200:
                     try:
                         completion = _parse_completion(json.loads(text))
-                    except (ValueError, KeyError, IndexError, TypeError) as e:
+                    except (ValueError, LookupError, TypeError, AttributeError, ArithmeticError,
+                            RecursionError) as e:     # every way a stranger's body can fail to be one
                         problem = f"not a chat completion ({type(e).__name__}: {self.shown(str(e), 120)})"
                     else:
                         limit = answer_char_limit(request.max_tokens)

@@ -3,11 +3,14 @@
 A parser returns the value or raises `Malformed` with the reason; the stage retries the request, then
 records the record as failed with that reason. Nothing is repaired or guessed: a label that is missing,
 repeated or followed by nothing or by the format's placeholder ("<the instruction>"), extra prose, an out-of-range number, a negative identical to its positive,
-or (code data) a poisoned instruction in another programming language is malformed.
+or (code data) a poisoned instruction in another programming language is malformed. So is a value that is no
+usable training text: bytes that were not UTF-8 (decoded as U+FFFD), terminal escapes or other control
+characters, or no letter or digit at all.
 """
 from __future__ import annotations
 
 import re
+import unicodedata
 
 from infjax.data.inf_ir import normal_text
 
@@ -26,6 +29,26 @@ _SINGLE_LETTER = {"c", "r"}          # counted only when written as a capital (a
 
 # A value that only echoes the format's placeholder: "<the instruction>", "[the altered query]".
 _PLACEHOLDER = re.compile(r"<[^<>]*>|\[[^\[\]]*[^\[\]\d\s][^\[\]]*\]")
+
+
+def _unusable(value: str) -> str:
+    """Why `value` is no usable training text ("" when it is)."""
+    if "\ufffd" in value:
+        return "holds bytes that are not UTF-8 (decoded as U+FFFD)"
+    control = sorted({c for c in value if unicodedata.category(c) == "Cc" and c not in "\t\n\r"})
+    if control:
+        shown = ", ".join(repr(c)[1:-1] for c in control[:3])
+        return f"holds terminal escapes or control characters ({shown})"
+    if not any(c.isalnum() for c in value):
+        return "holds no letter or digit"
+    return ""
+
+
+def _checked(label: str, value: str) -> str:
+    problem = _unusable(value)
+    if problem:
+        raise Malformed(f"'{label}:' {problem}: not usable training text")
+    return value
 
 
 def _lines(answer: str) -> list[str]:
@@ -47,7 +70,7 @@ def _labelled(lines: list[str], labels: tuple[str, ...]) -> list[str]:
             raise Malformed(f"'{label}:' is followed by nothing")
         if _PLACEHOLDER.fullmatch(value):
             raise Malformed(f"'{label}:' is followed by a placeholder, {value[:40]!r}, not an answer")
-        values.append(value)
+        values.append(_checked(label, value))
     return values
 
 
@@ -91,6 +114,7 @@ def passage(answer: str, *, avoid: list[str]) -> str:
     value = value.strip()
     if not value:
         raise Malformed("'PASSAGE:' is followed by nothing")
+    _checked("PASSAGE", value)
     if any(normal_text(value) == normal_text(a) for a in avoid):
         raise Malformed("the generated passage repeats the positive passage")
     return value

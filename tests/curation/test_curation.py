@@ -288,6 +288,93 @@ def test_a_body_that_is_no_chat_completion_is_retried(tmp_path):
         assert answer.text == "ok" and server.count() == 2
 
 
+NOT_COMPLETIONS = {
+    "nested 3,000 deep": ("[" * 3000 + "]" * 3000, "RecursionError"),
+    "a list": ("[1, 2]", "TypeError"),
+    "usage is a list": ('{"choices": [{"message": {"content": "ok"}}], "usage": [1]}', "AttributeError"),
+    "a count past any int": ('{"choices": [{"message": {"content": "ok"}}], "usage": {"prompt_tokens": 1e999}}',
+                             "OverflowError"),
+    "content is null": ('{"choices": [{"message": {"content": null}}]}', "TypeError"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_COMPLETIONS)
+def test_every_body_that_fails_to_parse_is_one_counted_retried_failure(tmp_path, case):
+    """A 200 whose body is JSON but no chat completion, however it fails (a 6 KB body nested 3,000 deep
+    included), is retried and then recorded as a failed request naming why; nothing escapes as an exception."""
+    raw, error = NOT_COMPLETIONS[case]
+    with FakeChat(lambda body, n: Reply(raw=raw)) as server:
+        backend, answer = one_request(server, tmp_path, max_retries=1)
+        assert server.count() == 2
+    assert answer.text is None and answer.error.startswith(f"not a chat completion ({error}"), answer.error
+    assert answer.error.endswith("(after 2 attempts)") and backend.usage.failed == 1 and backend.usage.retries == 1
+
+
+def test_a_reply_nested_past_the_recursion_limit_ends_curate_in_one_line(tmp_path, caplog, capsys):
+    from infjax import curate
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"query": "q", "passage": "p"}) + "\n")
+    with FakeChat(lambda body, n: Reply(raw="[" * 3000 + "]" * 3000)) as server:
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={pairs}", f"--out={tmp_path / 'out'}", f"--base_url={server.base_url}",
+                         "--model=m", "--stages=instruct", "--max_retries=0", "--max_attempts=1"])
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert e.value.code == 3 and "not a chat completion (RecursionError" in line, line
+    assert "Traceback" not in caplog.text + "".join(capsys.readouterr())
+
+
+def test_a_key_in_the_base_urls_query_is_sent_there_and_shown_nowhere(tmp_path, caplog, capsys):
+    """``--base_url=http://host/v1?api_key=KEY``: the request goes to /v1/chat/completions with the query
+    after the path, and the key is in no line and no file, even when the server echoes it."""
+    from infjax import curate
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"query": "q", "passage": "p"}) + "\n")
+    out = tmp_path / "out"
+    echo = lambda body, n: Reply(status=401, raw=json.dumps({"error": f"bad key in {server.requests[n]['query']}"}))  # noqa: E731
+    with FakeChat(echo) as server:
+        with pytest.raises(SystemExit) as e:
+            curate.main([f"--input={pairs}", f"--out={out}", f"--base_url={server.base_url}?api_key={KEY}&v=2",
+                         "--model=m", "--stages=instruct", "--max_retries=0", "--max_attempts=1"])
+        [sent] = server.requests
+    assert sent["path"] == "/v1/chat/completions" and sent["query"] == f"api_key={KEY}&v=2"
+    [final] = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert e.value.code == 3 and "/v1/chat/completions?api_key=***&v=***" in final and "bad key in api_key=***" in final
+    shown = caplog.text + "".join(capsys.readouterr())
+    written = b"".join(p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert KEY not in shown and KEY.encode() not in written
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ("INSTRUCTION: \x1b]0;x\x07\x1b[2J\x1b[31m\x1b[0m", r"holds terminal escapes or control characters (\x07, \x1b)"),
+    (b"INSTRUCTION: \xff\xfe\xfd", "holds bytes that are not UTF-8 (decoded as U+FFFD)"),
+    ("INSTRUCTION: ... --- ...", "holds no letter or digit"),
+])
+def test_an_answer_that_is_no_usable_text_is_a_counted_failure_not_an_instruction(beir, tmp_path, answer, reason):
+    """An instruction made of terminal escapes, of bytes that are not UTF-8, or of no letter or digit is not
+    stored as an instruction: the record fails as malformed, naming why, as an empty answer does."""
+    collection = sources.load(beir, limit=2, seed=0)
+
+    def script(body, n):
+        if stage_of(body) != "instruct":
+            return curator(body, n)
+        if isinstance(answer, bytes):                  # the body itself is not UTF-8
+            envelope = json.dumps({"choices": [{"message": {"content": "@@"}}]}).encode()
+            return Reply(raw=envelope.replace(b"@@", answer))
+        return Reply(answer)
+
+    with FakeChat(script) as server:
+        report = pipeline.run(context(server, collection, str(tmp_path / "cache"), max_attempts=2),
+                              str(tmp_path / "out"))
+        assert server.count("instruct") == 4                       # each record asked twice
+    assert report["kept"] == 0 and report["dropped_per_reason"] == {"instruct: malformed answer": 2}
+    failures = [json.loads(line) for line in open(tmp_path / "out" / "failures.jsonl")]
+    assert [f["kind"] for f in failures] == ["malformed", "malformed"]
+    assert all(f"'INSTRUCTION:' {reason}: not usable training text (after 2 answer(s))" == f["reason"]
+               for f in failures), failures
+
+
 def test_backend_failures_are_recorded_and_asked_again_by_a_rerun(beir, tmp_path):
     collection = sources.load(beir, limit=4, seed=0)
     down = {collection.pairs[0].query}                   # instruct answers 500 for the first pair
@@ -450,11 +537,15 @@ def test_an_answer_longer_than_its_request_allows_is_refused_and_counted(tmp_pat
 
 
 def test_urls_keys_and_escapes_as_shown():
-    from infjax.curation.backends import Redactor, escaped, redacted_url, split_userinfo
+    from infjax.curation.backends import Endpoint, Redactor, escaped, redacted_url, split_userinfo
 
     assert split_userinfo("https://u:k%40y@h:8/v1") == ("https://h:8/v1", "u:k%40y")
     assert split_userinfo("https://h/v1?a=b@c") == ("https://h/v1?a=b@c", "")
     assert redacted_url("https://u:k@h/v1") == "https://***@h/v1" and redacted_url("u:k@h/v1") == "***@h/v1"
+    assert redacted_url("https://h/v1?key=k&flag#f") == "https://h/v1?key=***&flag#f"
+    assert Endpoint.of("https://u:k@h/v1/?api-key=a%2Bb&v=2#f") == Endpoint(
+        url="https://h/v1/chat/completions?api-key=a%2Bb&v=2", shown="https://***@h/v1/chat/completions?api-key=***&v=***",
+        userinfo="u:k", query_values=("a%2Bb", "a+b"))
     redact = Redactor(["k/y+z", ""])
     assert redact('{"a": "Bearer k\\/y+z", "b": "k/y+z"}') == '{"a": "Bearer ***", "b": "***"}'
     assert escaped("plain text, café") == "plain text, café" and escaped("a\nb\x1b[0m\u200b") == r"a\nb\x1b[0m\u200b"

@@ -1,7 +1,7 @@
 """A real HTTP server, in a thread of the test process, that speaks OpenAI's chat-completions API.
 
-`FakeChat(script)` listens on 127.0.0.1 (a free port); every POST to ``/v1/chat/completions`` is recorded
-and answered by ``script(body, n)`` (the parsed request and its 0-based arrival number), which returns a
+`FakeChat(script)` listens on 127.0.0.1 (a free port); every POST to ``/v1/chat/completions`` (any query) is
+recorded, its path and query apart, and answered by ``script(body, n)`` (the parsed request and its 0-based arrival number), which returns a
 `Reply`: an HTTP status, headers, and either a chat completion's text (wrapped as the API does, with token
 usage) or a raw body; ``delay`` seconds are slept first (a slow or hanging server); with ``drip`` the body
 (with ``drip_headers`` the status line and headers too) is sent one byte every ``drip`` seconds (a server that
@@ -22,7 +22,7 @@ class Reply:
     text: str | None = None          # the assistant's answer (status 200)
     status: int = 200
     headers: dict = dataclasses.field(default_factory=dict)
-    raw: str | None = None           # a body sent as is (errors, broken JSON)
+    raw: str | bytes | None = None   # a body sent as is (errors, broken JSON; bytes: not even UTF-8)
     delay: float = 0.0
     drip: float = 0.0                # seconds between the bytes of the body (0: all at once)
     drip_headers: bool = False       # the status line and headers dripped too
@@ -45,18 +45,19 @@ class FakeChat:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                path, _, query = self.path.partition("?")
                 with outer.lock:
                     n = len(outer.requests)
-                    outer.requests.append({"body": body, "path": self.path, "time": time.monotonic(),
+                    outer.requests.append({"body": body, "path": path, "query": query, "time": time.monotonic(),
                                            "auth": self.headers.get("Authorization")})
-                if self.path != "/v1/chat/completions":
+                if path != "/v1/chat/completions":
                     reply = Reply(status=404, raw='{"error": "not found"}')
                 else:
                     reply = outer.script(body, n)
                 if reply.delay and outer.closed.wait(reply.delay):
                     return
                 if reply.raw is not None:
-                    payload = reply.raw.encode()
+                    payload = reply.raw if isinstance(reply.raw, bytes) else reply.raw.encode()
                 else:
                     prompt = " ".join(m["content"] for m in body["messages"])
                     payload = json.dumps({
