@@ -252,6 +252,37 @@ def pooling(path: str) -> str | None:
     return None
 
 
+# What a reader opens at the top of a model folder (the weights too, by their suffix).
+READ_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt",
+              "vocab.json", "merges.txt", "added_tokens.json", MODULES_FILE, ST_CONFIG_FILE)
+READ_SUFFIXES = (".safetensors", ".model", ".bin")
+
+
+def _check_readable(path: str) -> None:
+    """A file of the folder this user may not read is a permission, said as one (not as a damaged file)."""
+    import pwd
+    import stat as stat_lib
+
+    for name in sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        if not (name in READ_FILES or name.endswith(READ_SUFFIXES)) or not os.path.isfile(file):
+            continue
+        if os.access(file, os.R_OK):
+            continue
+        st = os.stat(file)
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = f"uid {st.st_uid}"
+        try:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+        except KeyError:
+            me = f"uid {os.geteuid()}"
+        raise FolderUnusable(f"{file}: this user ({me}) may not read it (owned by {owner}, mode "
+                             f"{stat_lib.S_IMODE(st.st_mode):o}): a permission, not a damaged file; ask {owner} to "
+                             f"let you read it (chmod a+r), or copy the folder to one of your own")
+
+
 def _check_weights_fit(path: str, config_file: str, config: dict, family, family_config) -> None:
     """The weights' tensor names and shapes (read from the files' headers) against what config.json makes of
     them, before anything is built: a folder whose config.json names another family or other sizes is one line."""
@@ -276,6 +307,7 @@ def check(path: str, *, weights: bool = True, reader: str = "infjax") -> ModelFo
         raise ValueError(f"reader={reader!r}: one of {READERS}")
     if not os.path.isdir(path):
         raise hf_files.CheckpointNotFound(f"{path}: no such folder")
+    _check_readable(path)
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
         raise FolderUnusable(f"{path}: no config.json; is it a Hugging Face checkpoint folder? (a "

@@ -171,6 +171,21 @@ def test_a_config_json_the_weights_do_not_fit_is_refused_naming_the_key(tiny, ch
         folder_lib.check(tiny, weights=False)         # a restore reads no weights: nothing to compare
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "vocab.txt", "config.json"])
+def test_a_file_this_user_may_not_read_is_said_to_be_a_permission(tiny, monkeypatch, name):
+    """A weights, tokenizer or config file this user may not read (mode 000 for a user other than root, as
+    `os.access` reports it) is refused as a permission, naming its owner and mode, not as a damaged file."""
+    import pwd
+
+    file = os.path.join(tiny, name)
+    os.chmod(file, 0)
+    real = os.access
+    monkeypatch.setattr(folder_lib.os, "access", lambda p, mode: False if p == file else real(p, mode))
+    owner = pwd.getpwuid(os.stat(file).st_uid).pw_name
+    _refused(tiny, f"{file}: this user ({pwd.getpwuid(os.geteuid()).pw_name}) may not read it (owned by {owner}, "
+                   f"mode 0): a permission, not a damaged file; ask {owner} to let you read it")
+
+
 def test_a_tokenizer_class_that_is_not_the_models_is_named(tiny):
     file = os.path.join(tiny, "tokenizer_config.json")
     json.dump({**json.load(open(file)), "tokenizer_class": "GPT2Tokenizer"}, open(file, "w"))
