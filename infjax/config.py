@@ -10,16 +10,20 @@ import math
 import re
 
 import ml_collections
+from ml_collections import config_dict
 
-from infjax.data import inf_ir
+from infjax.data import inf_ir, mixture as mixture_lib
 from infjax.data.tokenize import validate_template
 from infjax.errors import ConfigError
 from infjax.evaluation.datasets import DataError, parse_spec
+from infjax.evaluation.in_training import SYNTHETIC_SET
+from infjax import losses
 from infjax.losses import OBJECTIVES
 from infjax.models import attention, precision, remat as remat_lib
 from infjax.models.encoder import EMBEDDED, POOLINGS
 from infjax.models.lora import PROJECTIONS as LORA_PROJECTIONS
 from infjax.models.registry import FAMILIES
+from infjax.training import best as best_lib
 from infjax.training.writers import WANDB_MODES, WRITERS as LOG_WRITERS, writer_names
 
 _DECODER = {"model.pooling": "last", "model.remat": "auto", "model.scan_layers": True}
@@ -96,6 +100,14 @@ def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDi
                                        # its multi = our uni) and divide by temperature + 1e-4 as it
                                        # does, so its loss numbers are reproduced; see
                                        # losses.reference_objective
+    c.loss.mask_duplicates = True      # leave out of P, IQ and I every negative that is the row's positive by
+                                       # text (another row with the same passage or instruction-aware query,
+                                       # a drawn instruction equal to the row's own); docs/method.md §6.2
+    c.loss.false_negative_margin = config_dict.placeholder(float)   # None = off; m: also leave out in-batch
+                                       # negatives whose cosine exceeds the positive's + m (e.g. -0.05)
+    c.loss.matryoshka_dims = ""        # e.g. "384,128,64": the loss on each prefix of the embedding,
+                                       # renormalized, summed ("" = the whole embedding only); docs/method.md §6.3
+    c.loss.matryoshka_weights = ""     # one weight per dim ("" = each 1)
 
     c.model = ml_collections.ConfigDict()
     c.model.checkpoint = EMBEDDED      # local folder, hub id, or "embedded:all-MiniLM-L6-v2"
@@ -133,6 +145,12 @@ def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDi
     c.data = ml_collections.ConfigDict()
     c.data.source = "synthetic"        # "synthetic", a hub id, or local parquet/jsonl/json path(s)
     c.data.splits = "msmarco"          # comma-separated InF-IR splits (ignored for synthetic)
+    c.data.mixture = ""                # "split:weight,..." over data.splits (e.g. "msmarco:0.6,metamath:0.4"):
+                                       # each step's records drawn from the splits by weight ("" = one order
+                                       # over all records); docs/recipes.md §1
+    c.data.mixture_alpha = 0.0         # > 0: weights proportional to each split's records ** alpha (0 = off)
+    c.data.batch_from = "auto"         # one_source: every batch from one split | mixed: several per batch |
+                                       # auto: one_source with a mixture
     c.data.field_map = "auto"          # auto | default | legacy (P+ named `document`)
     c.data.on_bad_row = "error"        # error | skip (skipped rows are counted and reported)
     c.data.limit = 0                   # use only the first N rows per split (0 = all)
@@ -218,6 +236,9 @@ def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDi
     c.checkpoint.max_to_keep = 3       # checkpoints kept in WORKDIR/checkpoints
     c.checkpoint.async_save = True     # write checkpoints in the background while training goes on
     c.checkpoint.fallback = False      # resume: if the latest checkpoint is unreadable, use the newest readable
+    c.checkpoint.keep_best = ""        # "<eval set>/<metric>" (e.g. "synthetic/p_mrr", "lee/main"): keep the
+                                       # checkpoint where that metric, evaluated every eval.every steps, was
+                                       # highest, beside the newest ones ("" = none); export --step=best
 
     c.eval = ml_collections.ConfigDict()
     c.eval.synthetic = True            # p-MRR / nDCG@5 on the synthetic split before and after training
@@ -321,9 +342,16 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# Keys a checkpoint of an earlier infjax lacks, and the value that reproduces how it trained: the comparison on
+# resume reads them so (a run that trained without masking may not resume with it, but may with it off).
+ADDED_KEYS = {"loss.mask_duplicates": False, "loss.false_negative_margin": None, "loss.matryoshka_dims": "",
+              "loss.matryoshka_weights": ""}
+
+
 def incompatible_changes(saved: dict, current: dict) -> list[tuple[str, object, object]]:
     """(key, saved value, new value) for every key that may not change on resume."""
     a, b = _flatten(saved), _flatten(current)
+    a = {**{k: v for k, v in ADDED_KEYS.items() if k not in a and k in b}, **a}
     diffs = []
     for key in sorted(set(a) | set(b)):
         if any(key == r or (r.endswith(".") and key.startswith(r)) for r in RESUMABLE_CHANGES):
@@ -377,6 +405,14 @@ def _validate_objective_and_model(c) -> None:
     _check(not (c.loss.convention == "reference" and c.loss.positive_once), "loss.positive_once",
            c.loss.positive_once, "is fixed by loss.convention='reference'; leave it False")
     _check(c.loss.instruction_negatives >= 0, "loss.instruction_negatives", c.loss.instruction_negatives, "must be >= 0")
+    margin = c.loss.false_negative_margin
+    _check(margin is None or -2 < margin < 2, "loss.false_negative_margin", margin,
+           "is a difference of cosines: between -2 and 2, or None (off)")
+    try:
+        losses.matryoshka(c.loss.matryoshka_dims, c.loss.matryoshka_weights)
+    except ValueError as e:
+        key = "loss.matryoshka_weights" if "weights" in str(e) else "loss.matryoshka_dims"
+        _check(False, key, c.loss[key.split(".")[1]], str(e))
     if "i" in OBJECTIVES[c.objective][1] and c.model.interaction == "concat":
         _check(c.loss.instruction_negatives >= 1, "loss.instruction_negatives", c.loss.instruction_negatives,
                f"objective {c.objective} uses the I-marginal and needs at least one instruction negative")
@@ -431,6 +467,7 @@ def _validate_data(c) -> None:
     if c.data.source != "synthetic":
         _check(any(s.strip() for s in c.data.splits.split(",")), "data.splits", c.data.splits,
                "names no split; give one or more comma-separated InF-IR splits (e.g. msmarco)")
+    _validate_mixture(c)
     _check(isinstance(c.data.resume_if_changed, bool), "data.resume_if_changed", c.data.resume_if_changed,
            "must be True or False")
     _check(isinstance(c.data.cache_dir, str) and not _is_url(c.data.cache_dir), "data.cache_dir",
@@ -502,10 +539,49 @@ def _validate_training(c) -> None:
             except DataError as e:
                 raise ConfigError(f"config.eval.{key}={c.eval[key]!r}: {e}") from None
     _check(c.eval.canary_margin >= 0, "eval.canary_margin", c.eval.canary_margin, "must be >= 0")
+    _validate_keep_best(c)
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
     _check(c.train.chunk_size >= 0, "train.chunk_size", c.train.chunk_size, "must be >= 0 (0 = off)")
     _check(c.train.moments_dtype in ("float32", "bfloat16"), "train.moments_dtype", c.train.moments_dtype,
            "must be float32 or bfloat16")
+
+
+def _validate_mixture(c) -> None:
+    data = c.data
+    _check(data.batch_from in mixture_lib.BATCH_FROM, "data.batch_from", data.batch_from,
+           f"must be one of {', '.join(mixture_lib.BATCH_FROM)}")
+    _check(data.mixture_alpha >= 0, "data.mixture_alpha", data.mixture_alpha, "must be >= 0 (0 = off)")
+    try:
+        given = mixture_lib.parse(data.mixture)
+    except ValueError as e:
+        raise ConfigError(f"config.data.mixture={data.mixture!r}: {e}") from None
+    if not given and not data.mixture_alpha:
+        _check(data.batch_from != "one_source", "data.batch_from", data.batch_from,
+               "needs a mixture of sources: set data.mixture or data.mixture_alpha")
+        return
+    _check(not (given and data.mixture_alpha), "data.mixture_alpha", data.mixture_alpha,
+           "and data.mixture both set the weights: give one")
+    _check(data.source != "synthetic", "data.mixture", data.mixture or data.mixture_alpha,
+           "needs data.splits of a data.source to mix; the synthetic corpus is one source")
+    splits = _names(data.splits)
+    if given:
+        named = [n for n, _ in given]
+        _check(sorted(named) == sorted(splits), "data.mixture", data.mixture,
+               f"must weigh exactly the splits of data.splits={data.splits!r} (it names {named})")
+
+
+def _validate_keep_best(c) -> None:
+    try:
+        parsed = best_lib.parse(c.checkpoint.keep_best)
+    except ValueError as e:
+        raise ConfigError(f"config.checkpoint.keep_best={c.checkpoint.keep_best!r}: {e}") from None
+    if parsed is None:
+        return
+    evaluated = [*eval_specs(c), *canary_specs(c), *([SYNTHETIC_SET] if c.eval.synthetic else [])]
+    _check(parsed[0] in evaluated, "checkpoint.keep_best", c.checkpoint.keep_best,
+           f"names no set the run evaluates: eval.sets, eval.canary and the synthetic split give {evaluated}")
+    _check(c.eval.every >= 1, "checkpoint.keep_best", c.checkpoint.keep_best,
+           "needs evaluations during training: set config.eval.every (steps between them)")
 
 
 def _validate_mesh(c, num_devices: int | None, num_processes: int) -> None:

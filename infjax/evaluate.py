@@ -55,13 +55,14 @@ from absl import flags
 from infjax import cli, errors
 from infjax.evaluation import datasets
 from infjax.evaluation.datasets import DataError
-from infjax.evaluation.tasks import evaluate_task, mean_summary, template_pairs
+from infjax.evaluation.tasks import cut_to, evaluate_task, mean_summary, recording, template_pairs
 from infjax.evaluation.trec import write_outputs
 from infjax.inference.cache import EmbeddingCache
 from infjax.inference.embedders import EmbedFn, PairEmbedFn
 from infjax.inference.sources import load_model
 from infjax.models import attention
 from infjax.runtime import distributed, platform, storage
+from infjax.runtime.restore import parse_step
 from infjax.runtime.folder_lock import LOCK_FILE, FolderLock
 
 log = logging.getLogger("infjax.evaluate")
@@ -82,7 +83,10 @@ def define_flags(fv: flags.FlagValues) -> None:
     s("model", None, "run directory, sentence-transformers folder, or HF checkpoint")
     s("dataset", None, "KIND:PATH_OR_ID, KIND in " + ", ".join(datasets.KINDS))
     s("out", None, "write summary.json, meta.json, per_query.json and TREC runs here")
-    i("step", None, "checkpoint step of a run directory (default: latest)")
+    s("step", None, "checkpoint step of a run directory, or best (the one checkpoint.keep_best kept; default: "
+                    "latest)")
+    s("dims", "", "comma-separated Matryoshka dimensions: every metric also for embeddings cut to each and "
+                  "normalized again (e.g. 384,64; default: the whole embedding only)")
     s("base_checkpoint", None, "a run directory's base checkpoint (its model.checkpoint: a folder or hub id) where "
                                "it is now, when it moved since the run was trained")
     e("model_type", "auto", ["auto", "run", "sentence_transformers", "hf"],
@@ -219,6 +223,14 @@ def check_folder_flag(flag: str, folder: str | None) -> None:
         raise DataError(f"{flag}={folder}: cannot write there: {why}")
 
 
+def dims_flag(text: str) -> list[int]:
+    """--dims as a list of positive whole numbers; DataError (one line, exit 2) otherwise."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not all(x.isdigit() and int(x) > 0 for x in items):
+        raise DataError(f"--dims={text}: expected positive whole numbers, comma-separated (e.g. 384,64)")
+    return list(dict.fromkeys(int(x) for x in items))
+
+
 def run_evaluation(args: flags.FlagValues) -> dict:
     """Load the model and dataset of `args`, evaluate, print, write; returns {"summary", "meta", "results"}."""
     attention.requested()      # the $INFJAX_ATTENTION switch, refused before anything is read
@@ -244,11 +256,13 @@ def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
                               lenient_qrels=args.lenient_qrels, long_documents=args.bright_long_documents,
                               synthetic_defaults=synthetic_defaults, hub_cache_dir=args.hub_cache_dir)
 
+    dims = dims_flag(args.dims)
     t0 = time.perf_counter()
     # Read the data first (a bad file fails in seconds), except the synthetic split, whose defaults are the run's.
     tasks = None if kind == "synthetic" else load_data()
     t_data = time.perf_counter()
-    model = load_model(args.model, model_type=args.model_type, step=args.step, batch_size=args.batch_size,
+    model = load_model(args.model, model_type=args.model_type, step=parse_step(args.step),
+                       batch_size=args.batch_size,
                        pooling=args.pooling, query_template=args.query_template, query_prefix=args.query_prefix,
                        passage_prefix=args.passage_prefix, query_max_len=args.query_max_len,
                        passage_max_len=args.passage_max_len, dtype=args.dtype, progress=not args.no_progress,
@@ -260,23 +274,29 @@ def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
     cache = EmbeddingCache(storage.absolute(args.cache_dir)) if args.cache_dir else None
     results = []
     cuts = {}
+    by_dim = {d: [] for d in dims}
     for task in tasks:
         model.reset_cuts()
         pairs, ep = cached_encoders(model, cache, f"{args.dataset}|{task.name}")
-        results.append(evaluate_task(task, pairs, ep, model.fmt, top_k=args.top_k, block_size=args.block_size,
-                                     progress=not args.no_progress))
+        memo: dict = {}
+        results.append(evaluate_task(task, *(recording(pairs, ep, memo) if dims else (pairs, ep)), model.fmt,
+                                     top_k=args.top_k, block_size=args.block_size, progress=not args.no_progress))
+        for d in dims:                       # each Matryoshka cut, from the same encoder calls
+            by_dim[d].append(evaluate_task(task, *cut_to(d, pairs, ep, memo), model.fmt, top_k=args.top_k,
+                                           block_size=args.block_size, progress=False))
         cut = cuts[task.name] = truncation(model)
         if cut is not None:
             log.info("%s", describe_truncation(task.name, cut))
     t_eval = time.perf_counter()
     summary = mean_summary(results)
+    dim_summaries = {str(d): mean_summary(r) for d, r in by_dim.items()}
     meta = {**model.describe(), "dataset": args.dataset, "main_metric": results[0]["main_metric"],
             "tasks": [{"name": r["name"], "num_queries": len(r["per_query"]), **r["summary"],
                        "queries_left_out": len(r["left_out"]), "queries_left_out_ids": r["left_out"],
                        "queries_without_text": len(r["without_text"]), "queries_without_text_ids": r["without_text"],
                        "truncation": cuts.get(r["name"]), **pool_coverage(task)} for task, r in zip(tasks, results)],
             "seconds": {"load_data": (t_data - t0) + (t_data2 - t_model), "load_model": t_model - t_data,
-                        "evaluate": t_eval - t_data2}}
+                        "evaluate": t_eval - t_data2}, **({"dims": dim_summaries} if dims else {})}
     if jax.process_index() != 0:         # several processes computed the same results; one reports them
         return {"summary": summary, "meta": meta, "results": results}
     step = f" step {model.step}" if model.step is not None else ""
@@ -285,6 +305,8 @@ def _evaluate(args: flags.FlagValues, kind: str, out: str | None) -> dict:
         print(f"  {r['name']}: " + "  ".join(f"{k} {v:.4f}" for k, v in r["summary"].items()))
     for k, v in summary.items():
         print(f"{k:>12s}  {v:.4f}{'   (main)' if k == results[0]['main_metric'] else ''}")
+    for d, dim_summary in dim_summaries.items():
+        print(f"  cut to {d} dims: " + "  ".join(f"{k} {v:.4f}" for k, v in dim_summary.items()))
     for r in results:
         judged = len(r["left_out"]) + len(r["without_text"]) + len(r["per_query"])
         if r["without_text"]:

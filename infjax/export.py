@@ -39,7 +39,7 @@ import jax
 import numpy as np
 from absl import flags
 
-from infjax import cli, errors
+from infjax import cli, errors, losses
 from infjax.data.tokenize import TextFormat, Tokenizer
 from infjax.errors import UserError
 from infjax.inference.probe import check_outputs
@@ -49,7 +49,7 @@ from infjax.models.encoder import EMBEDDED
 from infjax.models.hf import files as hf_files, peft
 from infjax.models.registry import FAMILIES
 from infjax.runtime import checkpoint, platform, storage
-from infjax.runtime.restore import check_finite, load_run, saved_steps
+from infjax.runtime.restore import check_finite, load_run, parse_step, saved_steps
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 INTERACTION_FILE = folder_lib.HEAD_FILE    # an Interaction II run's head, beside the encoder folder(s)
@@ -110,8 +110,9 @@ def export_config(hf_config: Mapping[str, Any], architecture: str) -> dict:
 
 
 def write_sentence_transformers_files(folder: str, hidden_size: int, pooling: str, max_seq_length: int,
-                                      query_prefix: str, passage_prefix: str) -> None:
-    """modules.json (Transformer -> Pooling -> Normalize) and the configs that fix pooling and lengths."""
+                                      query_prefix: str, passage_prefix: str, truncate_dim: int | None = None) -> None:
+    """modules.json (Transformer -> Pooling -> Normalize) and the configs that fix pooling, lengths and (a
+    Matryoshka run's, when asked) the dimension sentence-transformers cuts embeddings to."""
     if pooling not in _ST_POOLING:
         raise ExportError(f"pooling {pooling!r} has no sentence-transformers equivalent")
     modules = [
@@ -124,7 +125,8 @@ def write_sentence_transformers_files(folder: str, hidden_size: int, pooling: st
                 {"max_seq_length": int(max_seq_length), "do_lower_case": False})
     _write_json(os.path.join(folder, "config_sentence_transformers.json"),
                 {"prompts": {"query": query_prefix, "document": passage_prefix},
-                 "default_prompt_name": None, "similarity_fn_name": "cosine"})
+                 "default_prompt_name": None, "similarity_fn_name": "cosine",
+                 **({"truncate_dim": int(truncate_dim)} if truncate_dim else {})})
     os.makedirs(os.path.join(folder, "1_Pooling"))
     pooling_config = {"word_embedding_dimension": int(hidden_size)}
     pooling_config.update({key: key == _ST_POOLING[pooling] for key in _ST_POOLING_KEYS})
@@ -183,7 +185,8 @@ def base_pooler(base_path: str) -> dict[str, np.ndarray]:
 
 def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: Mapping[str, Any], base_path: str,
                        pooling: str, padding_side: str, max_seq_length: int, query_prefix: str = "",
-                       passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)) -> None:
+                       passage_prefix: str = "", max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE),
+                       truncate_dim: int | None = None) -> None:
     """One loadable folder (HF config + weights + tokenizer + sentence-transformers files) in ``folder``."""
     if family not in FAMILIES:
         raise ExportError(f"family {family!r} cannot be exported; supported: {sorted(FAMILIES)}")
@@ -196,7 +199,7 @@ def write_model_folder(folder: str, *, family: str, params: Mapping, hf_config: 
     hf_files.save_safetensors(folder, tensors, max_shard_size)
     write_tokenizer(folder, base_path, padding_side)
     write_sentence_transformers_files(folder, hf_config["hidden_size"], pooling, max_seq_length,
-                                      query_prefix, passage_prefix)
+                                      query_prefix, passage_prefix, truncate_dim)
 
 
 def write_head(folder: str, head: Mapping) -> None:
@@ -249,7 +252,8 @@ iq = iq / iq.norm()                                                     # score:
 
 def readme_text(*, separate: bool, base: str, family: str, pooling: str, padding_side: str, query_template: str,
                 query_prefix: str, passage_prefix: str, query_max_len: int, passage_max_len: int, run: str = "",
-                step: int | None = None, max_seq_length: dict[str, int] | None = None, head: bool = False) -> str:
+                step: int | None = None, max_seq_length: dict[str, int] | None = None, head: bool = False,
+                dims: tuple[int, ...] = (), truncate_dim: int | None = None) -> str:
     """A short README: what the folder is and how to build query/passage text.
 
     With an Interaction II `head` the head's query recipe comes first, and no one-text query recipe is given (it
@@ -272,7 +276,7 @@ Embeddings: {pooling} pooling of the last hidden states ({padding_side} padding)
 L2-normalized; score = dot product (= cosine).
 """
     truncation = f"""sentence-transformers truncates at `max_seq_length` ({lengths}): the longer of
-the training length and the base model's own."""
+the training length and the base model's own.""" + matryoshka_readme(dims, truncate_dim, q_folder)
     if head:
         return intro + interaction_readme(q_folder, query_prefix) + f"""
 ## Passages
@@ -311,6 +315,27 @@ p = p_model.encode(["..."], prompt_name="document")
 scores = q @ p.T
 ```
 """
+
+
+def matryoshka_readme(dims: tuple[int, ...], truncate_dim: int | None, folder: str) -> str:
+    """The README's paragraph on a Matryoshka run's dimensions ("" for a run without them)."""
+    if not dims:
+        return ""
+    chosen = (f"\nThis folder sets `truncate_dim` = {truncate_dim} (config_sentence_transformers.json):\n"
+              f"sentence-transformers returns {truncate_dim} coordinates unless given another `truncate_dim`.\n"
+              if truncate_dim else "")
+    return f"""
+
+## Matryoshka dimensions
+
+Trained on the first {", ".join(str(d) for d in dims)} coordinates of each embedding (each prefix
+L2-normalized again, losses summed): an embedding cut to one of them keeps most of
+its quality. Cut and normalize again, as in training:
+{chosen}
+```python
+model = SentenceTransformer("{folder}", truncate_dim={dims[-1]})
+e = model.encode(["..."], normalize_embeddings=True)
+```"""
 
 
 # --------------------------------------------------------------------------
@@ -462,8 +487,12 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                  query_prefix: str = "", passage_prefix: str = "", query_max_len: int = 256,
                  passage_max_len: int = 512, overwrite: bool = False,
                  max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, base: str | None = None, run: str = "",
-                 step: int | None = None, max_seq_length: int | None = None) -> str:
+                 step: int | None = None, max_seq_length: int | None = None, dims: tuple[int, ...] = (),
+                 truncate_dim: int | None = None) -> str:
     """Write the export of ``params`` ({"shared": tree} or {"query": tree, "passage": tree}) to ``out``.
+
+    ``dims``: the Matryoshka dimensions the run trained (named in the README); ``truncate_dim``: one of them,
+    which sentence-transformers then cuts embeddings to by default.
 
     Each encoder folder declares ``max_seq_length`` tokens to sentence-transformers when given, else
     `inference_length` of its training length (the longer of it and the base model's own).
@@ -477,6 +506,10 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
     shard_bytes = parse_size(max_shard_size)
     _check_out(out, overwrite, run or None)
     check_finite(params, f"export of {run or 'the given parameters'}" + (f" step {step}" if step is not None else ""))
+    if truncate_dim is not None and truncate_dim not in dims:
+        raise ExportError(f"--truncate_dim={truncate_dim}: " + (
+            f"the run trained the Matryoshka dimensions {list(dims)}; give one of them" if dims else
+            "the run was not trained with loss.matryoshka_dims, so its embeddings were never trained to be cut"))
     extra = sorted(set(params) - {"shared", "query", "passage", "interaction"})
     if extra:
         raise ExportError(f"parameters {extra} have no place in a Hugging Face / sentence-transformers folder")
@@ -498,7 +531,7 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
             write_model_folder(os.path.join(tmp, sub) if sub else tmp, family=family, params=tree,
                                hf_config=hf_config, base_path=base_path, pooling=pooling,
                                padding_side=padding_side, max_seq_length=max_len, query_prefix=query_prefix,
-                               passage_prefix=passage_prefix, max_shard_size=shard_bytes)
+                               passage_prefix=passage_prefix, max_shard_size=shard_bytes, truncate_dim=truncate_dim)
         if head is not None:
             write_head(tmp, head)
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
@@ -507,7 +540,8 @@ def export_model(out: str, *, family: str, params: Mapping, hf_config: Mapping[s
                                 padding_side=padding_side, query_template=query_template,
                                 query_prefix=query_prefix, passage_prefix=passage_prefix,
                                 query_max_len=query_max_len, passage_max_len=passage_max_len, run=run, step=step,
-                                max_seq_length={sub: n for sub, (_, n) in parts.items()}, head=head is not None))
+                                max_seq_length={sub: n for sub, (_, n) in parts.items()}, head=head is not None,
+                                dims=dims, truncate_dim=truncate_dim))
 
     needed = tree_bytes(params) + len(parts) * tokenizer_bytes(base_path)
     return _write_atomically(out, write, {"run": storage.absolute(run) if run else None, "step": step,
@@ -651,8 +685,9 @@ merged in, run `python -m infjax.export` without `--adapter`.
 
 def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool = False,
                max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, max_seq_length: int | None = None,
-               adapter: bool = False, base_checkpoint: str | None = None) -> str:
-    """Export the run in ``workdir`` at ``step`` (default: latest) to ``out``; see :func:`export_model`.
+               adapter: bool = False, base_checkpoint: str | None = None, truncate_dim: int | None = None) -> str:
+    """Export the run in ``workdir`` at ``step`` (default: latest; "best": checkpoint.keep_best's) to ``out``; see
+    :func:`export_model`.
 
     A LoRA run exports merged (base + scale * A B in every adapted kernel), or with ``adapter`` as PEFT
     adapters (`export_adapters`). ``base_checkpoint`` names the run's base checkpoint where it is now (it
@@ -675,7 +710,9 @@ def export_run(workdir: str, out: str, step: int | None = None, overwrite: bool 
         query_template=config.data.query_template, query_prefix=config.data.query_prefix,
         passage_prefix=config.data.passage_prefix, query_max_len=config.data.query_max_len,
         passage_max_len=config.data.passage_max_len, overwrite=overwrite, max_shard_size=max_shard_size,
-        base=config.model.checkpoint, run=workdir, step=run.step, max_seq_length=max_seq_length)
+        base=config.model.checkpoint, run=workdir, step=run.step, max_seq_length=max_seq_length,
+        dims=losses.matryoshka(config.loss.get("matryoshka_dims", ""), config.loss.get("matryoshka_weights", ""))[0],
+        truncate_dim=truncate_dim)
 
 
 PROG = "python -m infjax.export"
@@ -685,7 +722,11 @@ def define_flags(fv: flags.FlagValues) -> None:
     """Every flag of `python -m infjax.export`, into `fv`."""
     flags.DEFINE_string("workdir", None, "run directory (holds checkpoints/<step>); a local folder or an "
                         "object-store URL (gs://bucket/runs/x)", flag_values=fv)
-    flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)", flag_values=fv)
+    flags.DEFINE_string("step", None, "checkpoint step, or best (the one checkpoint.keep_best kept; default: the "
+                        "latest)", flag_values=fv)
+    flags.DEFINE_integer("truncate_dim", None, "a Matryoshka run: one of its loss.matryoshka_dims, which "
+                         "sentence-transformers then cuts embeddings to by default (default: the whole embedding)",
+                         flag_values=fv)
     flags.DEFINE_string("out", None, "output folder DIR, local or gs://... (must be empty unless --overwrite)",
                         flag_values=fv)
     flags.DEFINE_bool("overwrite", False, "replace a non-empty DIR", flag_values=fv)
@@ -706,8 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     platform.choose()                # before JAX starts its backends: the CPU where a plugin has no hardware
     try:
         with errors.sigterm_raises("during the export"):     # SIGTERM, SIGHUP clean up as Ctrl-C does
-            out = export_run(args.workdir, args.out, args.step, args.overwrite, args.max_shard_size,
-                             args.max_seq_length, args.adapter, args.base_checkpoint)
+            out = export_run(args.workdir, args.out, parse_step(args.step), args.overwrite, args.max_shard_size,
+                             args.max_seq_length, args.adapter, args.base_checkpoint, args.truncate_dim)
     except (Exception, KeyboardInterrupt, errors.Terminated) as e:    # noqa: BLE001 - report() re-raises bugs
         code = errors.report("infjax.export", e)
         if code is None:

@@ -49,23 +49,55 @@ OBJECTIVES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """Which marginal sets T, and how they are combined."""
+    """Which marginal sets T, how they are combined, and what the sets leave out (docs/method.md §3, §6)."""
 
     kind: str                 # "uni" or "multi"
     sets: tuple[str, ...]     # a subset of SETS
     temperature: float = 0.05
     positive_once: bool = False
+    mask_duplicates: bool = False        # leave out negatives that are the row's positive by text (§6.2)
+    margin: float | None = None          # leave out negatives whose cosine exceeds the positive's + margin
+    dims: tuple[int, ...] = ()           # Matryoshka: the loss on each prefix of the embedding (() = whole)
+    dim_weights: tuple[float, ...] = ()  # and its weight, one per dim
 
     @classmethod
-    def from_name(cls, name: str, temperature: float = 0.05, positive_once: bool = False) -> "Objective":
+    def from_name(cls, name: str, temperature: float = 0.05, positive_once: bool = False, **recipes) -> "Objective":
         if name not in OBJECTIVES:
             raise ValueError(f"unknown objective {name!r}; choose one of {sorted(OBJECTIVES)}")
         kind, sets = OBJECTIVES[name]
-        return cls(kind, sets, temperature, positive_once)
+        return cls(kind, sets, temperature, positive_once, **recipes)
 
     @property
     def needs_instruction_negatives(self) -> bool:
         return "i" in self.sets
+
+
+def matryoshka(dims: str, weights: str = "") -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """loss.matryoshka_dims and loss.matryoshka_weights ("768,256,64", "" = each 1) as tuples, largest first.
+
+    Raises ValueError naming what is wrong: a dim that is not a positive whole number, one given twice, or
+    weights that are not one non-negative number per dim."""
+    items = [x.strip() for x in dims.split(",") if x.strip()]
+    if not items:
+        if weights.strip():
+            raise ValueError("weights given without dims")
+        return (), ()
+    if not all(x.isdigit() and int(x) > 0 for x in items):
+        raise ValueError(f"dims must be positive whole numbers, comma-separated, got {dims!r}")
+    parsed = [int(x) for x in items]
+    if len(set(parsed)) != len(parsed):
+        raise ValueError(f"a dim is given twice in {dims!r}")
+    if weights.strip():
+        try:
+            w = [float(x) for x in weights.split(",")]
+        except ValueError:
+            raise ValueError(f"weights must be numbers, comma-separated, got {weights!r}") from None
+        if len(w) != len(parsed) or any(not x >= 0 for x in w) or not sum(w) > 0:
+            raise ValueError(f"weights must be one number >= 0 per dim ({len(parsed)}), not all 0, got {weights!r}")
+    else:
+        w = [1.0] * len(parsed)
+    order = sorted(range(len(parsed)), key=lambda k: -parsed[k])
+    return tuple(parsed[k] for k in order), tuple(w[k] for k in order)
 
 
 def score_dtype(*xs: jax.Array):
@@ -200,12 +232,70 @@ def set_metrics(logits: dict[str, jax.Array], t: str, temperature: float) -> dic
     }
 
 
+def mask_false_negatives(objective: Objective, logits: dict[str, jax.Array], same: jax.Array | None = None,
+                         n_same: jax.Array | None = None) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    """The sets without their false negatives, and how many logits each rule left out (docs/method.md §6.2).
+
+    `same` [R, R]: pair m shares its passage or its instruction-aware query with pair r (the diagonal is not
+    read), so s(r, m) in P and s(m, r) in IQ score row r's positive again; `n_same` [R, K]: an instruction
+    negative of row r whose text is row r's own instruction. With `objective.margin`, a negative whose
+    cosine exceeds the positive's by more than the margin is left out too (decided without a gradient)."""
+    counts = {}
+    out = dict(logits)
+    if objective.mask_duplicates and same is not None:
+        off = same & ~jnp.eye(same.shape[0], dtype=bool)
+        out["p"] = jnp.where(off, -jnp.inf, out["p"])
+        out["iq"] = jnp.where(off.T, -jnp.inf, out["iq"])
+        masked = jnp.sum(off)
+        if n_same is not None and "i" in out:
+            out["i"] = out["i"].at[:, 1:].set(jnp.where(n_same, -jnp.inf, out["i"][:, 1:]))
+            masked = masked + jnp.sum(n_same)
+        counts["masked_duplicates"] = masked.astype(jnp.float32)
+    if objective.margin is not None:
+        masked = jnp.zeros((), jnp.float32)
+        bound = jax.lax.stop_gradient(out["pos"])[:, None] + objective.margin / objective.temperature
+        for t in objective.sets:
+            a = out[t]
+            over = (jax.lax.stop_gradient(a) > bound) & ~_positive_mask(t, a) & jnp.isfinite(a)
+            out[t] = jnp.where(over, -jnp.inf, a)
+            masked = masked + jnp.sum(over)
+        counts["masked_margin"] = masked
+    return out, counts
+
+
+def prefix(x: jax.Array | None, dim: int) -> jax.Array | None:
+    """The first `dim` coordinates of each embedding, L2-normalized again (the whole embedding unchanged)."""
+    if x is None or dim >= x.shape[-1]:
+        return x
+    x = x[..., :dim]
+    norm = jnp.linalg.norm(x.astype(score_dtype(x)), axis=-1, keepdims=True)
+    return (x / jnp.maximum(norm, 1e-12).astype(x.dtype)).astype(x.dtype)
+
+
 def contrastive_loss(objective: Objective, iq: jax.Array, p: jax.Array, iq_neg: jax.Array | None = None,
-                     i_cos: jax.Array | None = None, i_valid: jax.Array | None = None
-                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean loss over the global batch, plus per-set step metrics."""
+                     i_cos: jax.Array | None = None, i_valid: jax.Array | None = None, same: jax.Array | None = None,
+                     n_same: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean loss over the global batch, plus per-set step metrics.
+
+    With Matryoshka dims (`objective.dims`), the weighted sum of the loss on each prefix of the embeddings
+    (`i_cos` then holds one [R, M] matrix per dim, as `embed.assemble` makes it), the per-dim losses as
+    metrics `dim<d>/loss`, and the set metrics of the first dim."""
+    if not objective.dims:
+        return _loss(objective, iq, p, iq_neg, i_cos, i_valid, same, n_same)
+    total, metrics = None, {}
+    for k, (dim, weight) in enumerate(zip(objective.dims, objective.dim_weights)):
+        loss, m = _loss(objective, prefix(iq, dim), prefix(p, dim), prefix(iq_neg, dim),
+                        None if i_cos is None else i_cos[k], i_valid, same, n_same)
+        total = weight * loss if total is None else total + weight * loss
+        metrics = metrics or m
+        metrics[f"dim{dim}/loss"] = loss
+    return total, metrics
+
+
+def _loss(objective, iq, p, iq_neg, i_cos, i_valid, same, n_same):
     logits = objective_logits(objective, iq, p, iq_neg, i_cos, i_valid)
-    metrics = {}
+    logits, counts = mask_false_negatives(objective, logits, same, n_same)
+    metrics = dict(counts)
     for t in objective.sets:
         metrics.update(set_metrics(logits, t, objective.temperature))
     return jnp.mean(combine(objective, logits)), metrics

@@ -40,8 +40,9 @@ from infjax.models import folder as folder_lib, remat as remat_lib
 from infjax.models.encoder import load_encoder
 from infjax.runtime import checkpoint, distributed, cpu as runtime_cpu, mesh as mesh_lib, platform, storage
 from infjax.runtime.stopping import Preemption, agreed_stop
-from infjax.training import console, nonfinite, resume, saving, state as state_lib, workdir as workdir_lib, \
-    writers as writers_lib
+from infjax.training import best as best_lib, console, nonfinite, resume, saving, state as state_lib, \
+    workdir as workdir_lib, writers as writers_lib
+from infjax.training.best import BestCheckpoint
 from infjax.training.setup import abstract_global_batch, compiled_train_step, make_batch_setup, make_objective
 
 log = logging.getLogger("infjax.train")
@@ -88,10 +89,14 @@ class Run:
     evaluator: Evaluator
     config_json: dict                 # saved with each checkpoint: the config, and the tokenizer (LoRA: base) read
     fingerprint: dict                 # the training data's
+    best: BestCheckpoint | None       # checkpoint.keep_best: the best step so far (None: not kept)
 
     def position(self, step: int) -> dict:
-        """The data position saved with checkpoint `step`: epoch, offset, data fingerprint, schedule length."""
-        return {**self.setup.plan.position(step), "data_fingerprint": self.fingerprint, "schedule_steps": self.steps}
+        """The data position saved with checkpoint `step`: epoch, offset, data fingerprint, schedule length, and
+        the best step so far (checkpoint.keep_best)."""
+        best = {best_lib.RECORD_KEY: self.best.record()} if self.best is not None else {}
+        return {**self.setup.plan.position(step), "data_fingerprint": self.fingerprint, "schedule_steps": self.steps,
+                **best}
 
 
 def run(config, workdir: str) -> TrainResult:
@@ -143,7 +148,8 @@ def read_inputs(config) -> RunInputs:
     specs, canaries = config_lib.eval_specs(config), config_lib.canary_specs(config)
     preload(specs + canaries + ([SYNTHETIC_SET] if config.eval.synthetic else []),
             synthetic_defaults=config.data.synthetic.to_dict())
-    return RunInputs(encoder, params, model_path, data, data.fingerprint, make_objective(config), specs, canaries)
+    objective = make_objective(config, encoder.module.config.hidden_size)
+    return RunInputs(encoder, params, model_path, data, data.fingerprint, objective, specs, canaries)
 
 
 def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
@@ -158,6 +164,9 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
 
     # Mesh, sharded state, compiled step.
     mesh = mesh_lib.make_mesh(config.mesh)
+    best = BestCheckpoint.of_config(config)
+    if best is not None and best.spec not in specs + canaries:
+        specs = specs + [best.spec]          # evaluated in the loop for it
     evaluator = Evaluator(config, encoder, setup, mesh, specs, canaries)
     optimizer, schedule = state_lib.make_optimizer(config.train, steps)
     checkpoint.check_writable(workdir, needed_bytes=checkpoint.state_bytes(
@@ -178,7 +187,8 @@ def _run(config, workdir: str, inputs: RunInputs) -> TrainResult:
     writer = writers_lib.Writers(workdir, writers_lib.writer_names(config.log.writers), config_json,
                                  enabled=jax.process_index() == 0)
     run = Run(config=config, workdir=workdir, mesh=mesh, setup=setup, train_step=train_step, steps=steps,
-              ckpts=ckpts, writer=writer, evaluator=evaluator, config_json=config_json, fingerprint=fingerprint)
+              ckpts=ckpts, writer=writer, evaluator=evaluator, config_json=config_json, fingerprint=fingerprint,
+              best=best)
     try:                   # the views (TensorBoard) are closed on every path
         return _train(run, state)
     finally:
@@ -207,7 +217,10 @@ def _train_until_stopped(run: Run, state, preemption: Preemption) -> tuple[dict,
     ckpts, lost = run.ckpts, False
     try:                   # the manager is closed on every path (else its threads report errors at exit) ...
         with saving.lost_process_stops(ckpts):
-            start, state = restore_or_start(run.config, ckpts, state, run.config_json, run.fingerprint)
+            start, state, position = restore_or_start(run.config, ckpts, state, run.config_json, run.fingerprint)
+            if run.best is not None:
+                run.best.restore(position.get(best_lib.RECORD_KEY))
+                ckpts.keep(run.best.step)
             if start:
                 resume.note_schedule_change(run.config, ckpts, start, run.steps)
             if start >= run.steps:
@@ -235,6 +248,8 @@ def _finish(run: Run, results: dict, loop: LoopResult) -> TrainResult:
     end = int(loop.state.step)
     nonfinite.summarize_skipped(run.config, loop.start, end, loop.skipped, run.ckpts.step_dir(end),
                                 stopped=bool(loop.preempted))
+    if run.best is not None:
+        log.info("%s", run.best.describe(run.ckpts.step_dir(run.best.step) if run.best.step is not None else ""))
     if loop.preempted:
         log.warning("stopped by %s after step %d; checkpoint %s is saved; continue with --config.resume=True",
                     loop.preempted, end, run.ckpts.step_dir(end))
@@ -249,14 +264,14 @@ def _finish(run: Run, results: dict, loop: LoopResult) -> TrainResult:
 
 
 def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: dict, fingerprint: dict):
-    """(start step, state): the newest readable checkpoint's under config.resume, else (0, state).
+    """(start step, state, data position): the newest readable checkpoint's under config.resume, else (0, state, {}).
 
     Before its state is read, refuses a checkpoint that lacks what infjax's trainer records, whose LoRA base or
     tokenizer changed, whose config differs in a key that must stay fixed, or whose training data had another
     fingerprint (unless data.resume_if_changed); the checks are training/resume.py's.
     """
     if not config.resume:
-        return 0, state
+        return 0, state, {}
 
     def refuse_incompatible(step: int, saved: dict) -> None:
         where = ckpts.step_dir(step)
@@ -276,7 +291,7 @@ def restore_or_start(config, ckpts: checkpoint.Checkpoints, state, config_json: 
     state = saved.replace(frozen=state.frozen)
     log.info("resumed from step %d (epoch %d, offset %d) in %s", start, position["epoch"],
              position["offset"], ckpts.directory)
-    return start, state
+    return start, state, position
 
 
 def train_loop(run: Run, state, start: int, preemption: Preemption) -> LoopResult:
@@ -312,12 +327,16 @@ def train_loop(run: Run, state, start: int, preemption: Preemption) -> LoopResul
                 writer.write({"step": done, **metrics})
                 if hasattr(progress, "set_postfix"):
                     progress.set_postfix(loss=f"{metrics['loss']:.4f}")
+            best = False
             if run.evaluator.due(done, steps):
                 finite.check()
-                canary = run.evaluator.at_step(state, done, writer)
+                scores, canary = run.evaluator.at_step(state, done, writer)
+                best = run.best is not None and run.best.offer(done, scores)
             preempted = agreed_stop(preemption.received, done, ckpts)
-            if done % config.checkpoint.every == 0 or done == steps or preempted:
+            if done % config.checkpoint.every == 0 or done == steps or preempted or best:
                 finite.check()
+                if best:
+                    ckpts.keep(done)           # kept through rotation (checkpoint.keep_best)
                 saving.save_checkpoint(ckpts, done, state, run.position(done), run.config_json)
                 writer.flush()                 # object stores: metrics.jsonl rewritten with each checkpoint
             if preempted:

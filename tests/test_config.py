@@ -171,3 +171,40 @@ def test_incompatible_changes_allow_harmless_keys():
     assert config_lib.incompatible_changes(a, b) == []
     c = json.loads(small_config(**{"data.query_max_len": 40}).to_json_best_effort())
     assert [k for k, _, _ in config_lib.incompatible_changes(a, c)] == ["data.query_max_len"]
+
+
+def test_a_checkpoint_from_before_the_loss_recipes_resumes_only_as_it_trained():
+    """A saved config without the keys the recipes added trained without them: resuming with masking on is a
+    change named by its key; with it off, none."""
+    old = json.loads(small_config().to_json_best_effort())
+    for key in config_lib.ADDED_KEYS:
+        section, name = key.split(".")
+        del old[section][name]
+    now = json.loads(small_config().to_json_best_effort())
+    assert config_lib.incompatible_changes(old, now) == [("loss.mask_duplicates", False, True)]
+    off = json.loads(small_config(**{"loss.mask_duplicates": False}).to_json_best_effort())
+    assert config_lib.incompatible_changes(old, off) == []
+    dims = json.loads(small_config(**{"loss.mask_duplicates": False, "loss.matryoshka_dims": "16"}
+                                   ).to_json_best_effort())
+    assert config_lib.incompatible_changes(old, dims) == [("loss.matryoshka_dims", "", "16")]
+
+
+@pytest.mark.parametrize("overrides, key, why", [
+    ({"loss.matryoshka_dims": "64,x"}, "loss.matryoshka_dims", "positive whole numbers"),
+    ({"loss.matryoshka_dims": "64,32", "loss.matryoshka_weights": "1"}, "loss.matryoshka_weights", "one number"),
+    ({"loss.false_negative_margin": 3.0}, "loss.false_negative_margin", "between -2 and 2"),
+])
+def test_the_loss_recipes_keys_are_refused_naming_the_key(overrides, key, why):
+    with pytest.raises(config_lib.ConfigError, match=f"config.{key}=.*{why}"):
+        config_lib.validate(small_config(**overrides), 8)
+
+
+def test_a_matryoshka_dim_wider_than_the_model_is_refused_with_the_width():
+    from infjax.training import setup as setup_lib
+
+    config = small_config(**{"loss.matryoshka_dims": "64,16"})
+    with pytest.raises(config_lib.ConfigError, match=r"matryoshka_dims='64,16': 64 is wider than the model's "
+                                                     r"embeddings \(32\)"):
+        setup_lib.make_objective(config, 32)
+    objective = setup_lib.make_objective(small_config(**{"loss.matryoshka_dims": "8,32"}), 32)
+    assert objective.dims == (32, 8) and objective.dim_weights == (1.0, 1.0) and objective.mask_duplicates

@@ -610,3 +610,19 @@ def test_a_truncated_weight_file_is_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{folder}/model.safetensors: cannot be read as safetensors (" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_dims_report_every_metric_for_each_cut_and_the_whole_width_is_the_whole_embeddings(tmp_path, capsys):
+    run = write_run_dir(tmp_path / "run")
+    out = tmp_path / "out"
+    assert evaluate.main(["--model", run, "--dataset", "synthetic", "--dims", "32,8", "--out", str(out),
+                          "--no_progress"]) == 0
+    meta, summary = json.load(open(out / "meta.json")), json.load(open(out / "summary.json"))
+    assert set(meta["dims"]) == {"32", "8"} and set(meta["dims"]["8"]) == set(summary)
+    for k, v in summary.items():
+        assert meta["dims"]["32"][k] == pytest.approx(v, abs=1e-9)     # the tiny BERT's width: nothing cut
+    assert meta["dims"]["8"] != meta["dims"]["32"]
+    printed = capsys.readouterr().out
+    assert "cut to 8 dims: " in printed and "p_mrr" in printed
+    assert evaluate.main(["--model", run, "--dataset", "synthetic", "--dims", "8,x"]) == 2
+    assert "--dims=8,x: expected positive whole numbers" in capsys.readouterr().err

@@ -526,3 +526,30 @@ def test_a_checkpoint_cut_short_is_one_line_naming_the_array_and_nothing_after_i
     assert p.returncode == 2 and len(lines) == 1, "\n".join(lines[:40])
     assert re.fullmatch(r"infjax.export: error: checkpoint .*/checkpoints/4 cannot be read \(parameters\): ValueError: "
                         r"\w+: .*Error reading \"params\.[^\"]+\" in OCDBT database .*", lines[0]), lines[0]
+
+
+@needs_torch
+def test_a_matryoshka_export_cut_by_sentence_transformers_gives_infjaxs_cut_embeddings(tmp_path, capsys):
+    """truncate_dim (one of the run's loss.matryoshka_dims) lands where sentence-transformers reads it; its
+    embeddings, normalized again, are infjax's cut to that many coordinates and normalized again."""
+    run = write_run_dir(tmp_path / "run", overrides={"loss.matryoshka_dims": "32,16,8"})
+    out = str(tmp_path / "exported")
+    assert export.main(["--workdir", run, "--out", out, "--truncate_dim", "8"]) == 0
+    assert json.load(open(os.path.join(out, "config_sentence_transformers.json")))["truncate_dim"] == 8
+    readme = open(os.path.join(out, "README.md")).read()
+    assert "first 32, 16, 8 coordinates" in readme and "sets `truncate_dim` = 8" in readme
+    from sentence_transformers import SentenceTransformer
+
+    theirs = SentenceTransformer(out, device="cpu").encode(TEXTS, normalize_embeddings=True, convert_to_numpy=True)
+    loaded = load_run(run)
+    ours = _infjax_embed(loaded.encoder, loaded.params["shared"], loaded.base_path, TEXTS)[:, :8]
+    ours = ours / np.linalg.norm(ours, axis=1, keepdims=True)
+    assert theirs.shape == (len(TEXTS), 8)
+    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    for flag, why in ((["--truncate_dim", "12"], "the run trained the Matryoshka dimensions [32, 16, 8]; give one"),):
+        assert export.main(["--workdir", run, "--out", str(tmp_path / "o2"), *flag]) == 2
+        assert why in capsys.readouterr().err
+    plain = write_run_dir(tmp_path / "plain")
+    assert export.main(["--workdir", plain, "--out", str(tmp_path / "o3"), "--truncate_dim", "8"]) == 2
+    assert "was not trained with loss.matryoshka_dims" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "o2") and not os.path.exists(tmp_path / "o3")

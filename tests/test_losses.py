@@ -18,8 +18,9 @@ def per_row_loss(objective, iq, p, iq_neg=None, i_cos=None, i_valid=None):
     return losses.combine(objective, losses.objective_logits(objective, iq, p, iq_neg, i_cos, i_valid))
 
 
-def naive_loss(name, iq, p, neg, tau, positive_once=False):
-    """docs/method.md §3 as written, one row at a time, in float64."""
+def naive_loss(name, iq, p, neg, tau, positive_once=False, left_out=lambda t, r, m: False):
+    """docs/method.md §3 as written, one row at a time, in float64. `left_out(t, r, m)`: whether entry m of row r's
+    set t (a column of S for "p", a row of S for "iq", an instruction negative m >= 1 for "i") is removed."""
     kind, sets = losses.OBJECTIVES[name]
     iq, p, neg = (np.asarray(a, np.float64) for a in (iq, p, neg))
     R = len(iq)
@@ -32,6 +33,9 @@ def naive_loss(name, iq, p, neg, tau, positive_once=False):
             "iq": ([float(iq[k] @ p[r]) / tau for k in range(R)], r),
             "i": ([pos] + [float(neg[r, j] @ p[r]) / tau for j in range(neg.shape[1])], 0),
         }
+        A = {t: ([x for m, x in enumerate(logits) if m == at or not left_out(t, r, m)],
+                 sum(1 for m in range(at) if not left_out(t, r, m)))
+             for t, (logits, at) in A.items()}
         if kind == "uni":
             for t in sets:
                 logits, _ = A[t]
@@ -247,3 +251,111 @@ def test_bf16_embeddings_give_float32_scores(embeddings):
     logits = losses.marginal_logits(iq, p, neg, 0.05)
     assert all(v.dtype == jnp.float32 for v in logits.values())
     assert per_row_loss(losses.Objective.from_name("multi_pi"), iq, p, neg).dtype == jnp.float32
+
+
+# --- false negatives left out (docs/method.md §6.2)
+
+def _duplicates(R):
+    """Rows 4 and 5 share a passage (the fixture's p[5] = p[4]); rows 9 and 10 an instruction-aware query."""
+    p_text, iq_text = np.arange(R), np.arange(R)
+    p_text[5], iq_text[10] = 4, 9
+    same = (p_text[:, None] == p_text[None, :]) | (iq_text[:, None] == iq_text[None, :])
+    return same
+
+
+@pytest.mark.parametrize("name", ["uni_piiq", "multi_piiq", "multi_pi", "uni_iq"])
+@pytest.mark.parametrize("positive_once", [False, True])
+def test_a_duplicate_is_left_out_of_every_set_as_if_its_column_were_removed(name, positive_once, embeddings):
+    iq, p, neg = embeddings
+    iq = iq.copy()
+    iq[10] = iq[9]                                    # the same query text: the same embedding
+    same = _duplicates(len(iq))
+    n_same = np.zeros(neg.shape[:2], bool)
+    n_same[3, 0] = True                               # the fixture's neg[3, 0] = iq[3]: row 3's own instruction
+    obj = losses.Objective.from_name(name, positive_once=positive_once, mask_duplicates=True)
+    got, metrics = losses.contrastive_loss(obj, iq, p, neg, same=jnp.asarray(same), n_same=jnp.asarray(n_same))
+
+    def left_out(t, r, m):
+        return bool(n_same[r, m - 1]) if t == "i" else bool(same[r, m])
+    want = naive_loss(name, iq, p, neg, 0.05, positive_once, left_out)
+    assert float(got) == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert abs(float(got) - naive_loss(name, iq, p, neg, 0.05, positive_once)) > 1e-3     # it did leave some out
+    assert float(metrics["masked_duplicates"]) == 2 + 2 + 1     # (4, 5), (5, 4), (9, 10), (10, 9); one negative
+    # and off: today's loss, whatever the batch says
+    off = losses.Objective.from_name(name, positive_once=positive_once)
+    plain = losses.contrastive_loss(off, iq, p, neg, same=jnp.asarray(same), n_same=jnp.asarray(n_same))[0]
+    assert float(plain) == float(losses.contrastive_loss(off, iq, p, neg)[0])
+
+
+def test_a_left_out_logit_has_no_gradient(embeddings):
+    """The gradient of the loss with respect to S (and the instruction negatives' scores) is 0 where masked."""
+    iq, p, neg = embeddings
+    same = jnp.asarray(_duplicates(len(iq)))
+    obj = losses.Objective.from_name("multi_piiq", mask_duplicates=True)
+
+    def of_logits(s, i_neg):
+        logits = {"pos": jnp.diagonal(s), "p": s, "iq": s.T, "i": jnp.concatenate([jnp.diagonal(s)[:, None], i_neg], 1)}
+        masked, _ = losses.mask_false_negatives(obj, logits, same)
+        return jnp.mean(losses.combine(obj, masked))
+    s = losses.scores(jnp.asarray(iq), jnp.asarray(p), 0.05)
+    i_neg = losses.instruction_scores(jnp.asarray(neg), jnp.asarray(p), 0.05)
+    g = np.asarray(jax.grad(of_logits)(s, i_neg))
+    off = np.asarray(same) & ~np.eye(len(iq), dtype=bool)
+    assert (g[off] == 0).all() and (g[~off] != 0).all()
+
+
+def test_the_margin_leaves_out_negatives_scored_above_the_positive_plus_the_margin(embeddings):
+    iq, p, neg = embeddings
+    margin, tau = -0.1, 0.05
+    obj = losses.Objective.from_name("uni_piiq", margin=margin)
+    got, metrics = losses.contrastive_loss(obj, iq, p, neg)
+    iq64, p64, neg64 = (np.asarray(a, np.float64) for a in (iq, p, neg))
+    S = iq64 @ p64.T
+    over = {"p": lambda r, m: S[r, m] > S[r, r] + margin, "iq": lambda r, m: S[m, r] > S[r, r] + margin,
+            "i": lambda r, m: neg64[r, m - 1] @ p64[r] > S[r, r] + margin}
+    want = naive_loss("uni_piiq", iq, p, neg, tau, left_out=lambda t, r, m: bool(over[t](r, m)))
+    count = sum(bool(over[t](r, m)) for t in ("p", "iq") for r in range(len(iq)) for m in range(len(iq)) if m != r) \
+        + sum(bool(over["i"](r, m)) for r in range(len(iq)) for m in range(1, neg.shape[1] + 1))
+    assert count > 0
+    assert float(got) == pytest.approx(want, rel=1e-5, abs=1e-5)
+    assert float(metrics["masked_margin"]) == count
+
+
+# --- Matryoshka dims (docs/method.md §6.3)
+
+@pytest.mark.parametrize("name", ["multi_pi", "uni_piiq"])
+def test_matryoshka_with_the_whole_width_only_is_todays_loss_bit_for_bit(name, embeddings):
+    iq, p, neg = embeddings
+    today, m0 = jax.jit(lambda a, b, c: losses.contrastive_loss(losses.Objective.from_name(name), a, b, c))(iq, p, neg)
+    obj = losses.Objective.from_name(name, dims=(16,), dim_weights=(1.0,))
+    whole, m1 = jax.jit(lambda a, b, c: losses.contrastive_loss(obj, a, b, c))(iq, p, neg)
+    assert np.asarray(whole).tobytes() == np.asarray(today).tobytes()
+    assert float(m1["dim16/loss"]) == float(today)
+
+
+def test_matryoshka_sums_the_weighted_losses_of_renormalized_prefixes(embeddings):
+    iq, p, neg = embeddings
+    obj = losses.Objective.from_name("multi_pi", dims=(16, 8, 4), dim_weights=(1.0, 0.5, 0.25))
+    got, metrics = losses.contrastive_loss(obj, iq, p, neg)
+
+    def cut(x, d):
+        x = np.asarray(x, np.float64)[..., :d]
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+    parts = {d: naive_loss("multi_pi", cut(iq, d), cut(p, d), cut(neg, d), 0.05) for d in (16, 8, 4)}
+    assert float(got) == pytest.approx(parts[16] + 0.5 * parts[8] + 0.25 * parts[4], rel=1e-5)
+    for d in (16, 8, 4):
+        assert float(metrics[f"dim{d}/loss"]) == pytest.approx(parts[d], rel=1e-5)
+
+
+@pytest.mark.parametrize("dims, weights, why", [
+    ("64,x", "", "positive whole numbers"), ("64,0", "", "positive whole numbers"), ("64,64", "", "twice"),
+    ("64,32", "1", "one number >= 0 per dim"), ("64,32", "1,-1", "one number >= 0 per dim"),
+    ("64,32", "0,0", "not all 0"), ("", "1", "weights given without dims"), ("64", "a", "must be numbers")])
+def test_matryoshka_keys_are_refused_naming_what_is_wrong(dims, weights, why):
+    with pytest.raises(ValueError, match=why):
+        losses.matryoshka(dims, weights)
+
+
+def test_matryoshka_keys_are_read_largest_first():
+    assert losses.matryoshka("64,384, 128", "0.2,1,0.5") == ((384, 128, 64), (1.0, 0.5, 0.2))
+    assert losses.matryoshka("", "") == ((), ())

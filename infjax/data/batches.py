@@ -165,6 +165,7 @@ class StepTexts:
     process_count: int = 1
     interaction: str = "concat"     # concat | cross_attention (instructions and queries encoded apart)
     texts: Texts | None = None      # the records as text (required when the store is not exact)
+    text_keys: bool = False         # add each row's text identities (`text_keys_of`: loss.mask_duplicates)
 
     def __post_init__(self):
         made = self.store.meta["encoding"]
@@ -275,6 +276,28 @@ class StepTexts:
             sides["q"] = self._queries(store_rows, ROW_INSTRUCTION[kind], store_rows, ROW_QUERY[kind], ids=False)
         return {side: (int(np.count_nonzero(v.cut)), len(v.cut)) for side, v in sides.items()}
 
+    def text_keys_of(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows' text identities over the global batch, for the loss's false negatives.
+
+        "p_text" [R_local] int32: equal for two rows of the global batch whose passages are the same text (the
+        same whole token ids); "iq_text": the same for their instruction-aware queries (instruction and query
+        alike); under Interaction I with instruction negatives, "n_same" [R_local, K] int32: 1 where a drawn
+        instruction is the row's own instruction by text. Numbered by first occurrence in the global batch, so
+        every process numbers alike."""
+        record, kind, own = self._rows(step)
+        rows = np.asarray(self.store.kept[record], np.int64)
+        key = lambda fields: np.asarray(self.store.text_key[rows, fields])   # noqa: E731
+        i_key, q_key = key(ROW_INSTRUCTION[kind]), key(ROW_QUERY[kind])
+        sl = self.local_slice()
+        out = {"p_text": _first_numbered(key(ROW_PASSAGE[kind])[:, None])[sl],
+               "iq_text": _first_numbered(np.stack([i_key, q_key], axis=1))[sl]}
+        negatives = self._negatives(step, own)
+        if negatives is not None:
+            pool = np.asarray(self.store.pool[negatives[sl].reshape(-1)], np.int64)
+            drawn = np.asarray(self.store.text_key[np.asarray(self.store.kept[pool // 7], np.int64), pool % 7])
+            out["n_same"] = (drawn.reshape(negatives[sl].shape) == i_key[sl, None]).astype(np.int32)
+        return out
+
     # --- the ids of a step's texts
     def side_ids(self, step: int, local: bool = True) -> tuple[dict[str, Side], np.ndarray | None]:
         """The encoder inputs of a step as ids: side -> `Side` (texts in `side_texts`' order), and the groups.
@@ -375,11 +398,14 @@ class BatchBuilder:
         """(this process's batch of `step`, what the loop reports of it).
 
         The report: {"texts": {side: n}, "cut": {side: n} (texts longer than their max length; absent where not
-        known), "grown": a note when the step needed a shape the measurement did not give, else None}.
+        known), "grown": a note when the step needed a shape the measurement did not give, else None, "source":
+        the step's source under a one-source mixture, else None}.
         """
         sides, groups = self.step_texts.side_ids(step)
+        source_of = getattr(self.step_texts.plan, "source_of", None)      # a mixture's, one source per batch
         info = {"texts": {s: len(v.lengths) for s, v in sides.items()},
-                "cut": {s: int(v.cut.sum()) for s, v in sides.items() if v.cut is not None}, "grown": None}
+                "cut": {s: int(v.cut.sum()) for s, v in sides.items() if v.cut is not None}, "grown": None,
+                "source": source_of(step) if source_of is not None else None}
         pad = self.step_texts.pad_id
         batch = {}
         if self.packing is not None:
@@ -402,6 +428,8 @@ class BatchBuilder:
                 batch[f"{side}_ids"], batch[f"{side}_mask"] = ids, mask
         if groups is not None:
             batch["i_group"] = groups
+        if self.step_texts.text_keys:
+            batch.update(self.step_texts.text_keys_of(step))
         return batch, info
 
     def _fit(self, step: int, local: dict[str, Side]) -> tuple[dict[str, packing.Capacity], str | None]:
@@ -421,6 +449,14 @@ class BatchBuilder:
             note = (f"packing: step {step} does not fit the shapes measured over {len(packed.shapes.measured())} "
                     f"sampled steps: {note} (compiled once more)")
         return capacities, note
+
+
+def _first_numbered(keys: np.ndarray) -> np.ndarray:
+    """Rows of `keys` [n, k] numbered 0, 1, ... by first occurrence, equal rows alike: [n] int32."""
+    _, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), np.int32)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int32)
+    return rank[np.asarray(inverse).reshape(-1)]
 
 
 def assemble_texts(store: TokenStore, pieces: list[tuple[np.ndarray, np.ndarray]], ids: bool = True,

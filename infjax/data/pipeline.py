@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from infjax.data import batches, inf_ir, packing, synthetic, token_store
+from infjax.data import batches, inf_ir, mixture, packing, synthetic, token_store
 from infjax.data.tokenize import TextFormat, Tokenizer
 
 log = logging.getLogger("infjax.data")
@@ -139,16 +139,38 @@ def make_batch_setup(config, data: TrainingData, model_path: str, layout: BatchL
     """
     tokenizer = Tokenizer(model_path, padding_side=layout.padding_side)
     fmt = data.encoding.fmt
-    plan = batches.BatchPlan(len(data.store), config.train.batch_size, config.train.seed)
+    plan = make_plan(config, data.store)
     cross = config.model.interaction == "cross_attention"
-    sampler = (batches.InstructionNegativeSampler(len(data.store.pool), config.loss.instruction_negatives,
-                                                  config.train.seed)
-               if instruction_negatives and not cross else None)
+    sampler = None
+    if instruction_negatives and not cross and isinstance(plan, mixture.MixturePlan) and plan.one_source:
+        sampler = mixture.SourceSampler(plan, data.store.own, config.loss.instruction_negatives,
+                                        batches.InstructionNegativeSampler)
+    elif instruction_negatives and not cross:
+        sampler = batches.InstructionNegativeSampler(len(data.store.pool), config.loss.instruction_negatives,
+                                                     config.train.seed)
     texts = batches.StepTexts(data.store, plan, config.data.query_max_len, config.data.passage_max_len,
                               config.data.hard_negatives, sampler, layout.process_index, layout.process_count,
-                              config.model.interaction, batches.Texts(data.records, tokenizer, fmt))
+                              config.model.interaction, batches.Texts(data.records, tokenizer, fmt),
+                              text_keys=config.loss.mask_duplicates)
     packed = measure_packing(config, texts, layout) if config.data.packing else None
     return BatchSetup(tokenizer, fmt, plan, batches.BatchBuilder(texts, packed, layout.padding_side))
+
+
+def make_plan(config, store: token_store.TokenStore) -> batches.BatchPlan | mixture.MixturePlan:
+    """The records of each step: one shuffled order over all records, or a mixture of the splits by weight
+    (data.mixture, data.mixture_alpha; data/mixture.py)."""
+    data, train = config.data, config.train
+    names = [s.strip() for s in data.splits.split(",") if s.strip()]
+    if not data.get("mixture", "").strip() and not data.get("mixture_alpha", 0):
+        return batches.BatchPlan(len(store), train.batch_size, train.seed)
+    source_rows = np.asarray(store.source)[np.asarray(store.kept)]
+    bounds = np.cumsum([0] + list(store.meta["split_rows"]))
+    sizes = np.bincount(np.searchsorted(bounds, source_rows, side="right") - 1, minlength=len(names)).tolist()
+    probabilities = mixture.weights(names, sizes, data.mixture, data.mixture_alpha)
+    plan = mixture.MixturePlan.of_store(source_rows, store.meta["split_rows"], names, probabilities,
+                                        train.batch_size, train.seed, data.batch_from != "mixed")
+    log.info("%s", plan.describe())
+    return plan
 
 
 def total_steps(config, plan: batches.BatchPlan) -> int:

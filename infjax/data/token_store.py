@@ -42,7 +42,8 @@ source.npy [R] (the row each came from, over the splits in order), kept.npy
 [N] (the clean records that train, duplicates dropped), pool.npy [P]
 (training record * 7 + field of each distinct instruction's first occurrence),
 own.npy [N, 2] (the pool index of each training record's I+ and I-),
-meta.json (written last: what was built, its warnings, its fingerprint, and
+text_key.npy [R, 7] (a 64-bit digest of each piece's whole ids: what finds a
+step's false negatives, equal texts in other rows), meta.json (written last: what was built, its warnings, its fingerprint, and
 the SHA-256 of every other file). An entry is used only when each file has
 its size and its digest (`check`: about 0.7 s per GB read; a file that
 differs is said in one warning and the entry is built again), and only when
@@ -79,14 +80,16 @@ from infjax.errors import ConfigError, RunStopped, UserError, byte_size, describ
 
 log = logging.getLogger("infjax.data")
 
-VERSION = 2                 # of the cache's layout and of what its pieces hold (2: meta.json holds digests)
+VERSION = 3                 # of the cache's layout and of what its pieces hold (2: meta.json holds digests;
+                            # 3: text_key.npy)
 F = {name: i for i, name in enumerate(FIELDS)}
 I_POS, Q_POS, P_POS, I_NEG, Q_NEG, P_NEG1, P_NEG2 = (F[n] for n in FIELDS)
 QUERY_FIELDS = (I_POS, Q_POS, I_NEG, Q_NEG)          # cut at the query side's length
 FIELD_ROLE = {I_POS: "instruction", I_NEG: "instruction", Q_POS: "query", Q_NEG: "query"}
 CHUNK_ROWS = 2048           # rows a worker cleans and tokenizes per task
 IN_PROCESS_ROWS = 20_000    # fewer rows than this are tokenized in this process (a worker costs seconds to start)
-FILES = ("tokens.bin", "offset.npy", "length.npy", "uncut.npy", "source.npy", "kept.npy", "pool.npy", "own.npy")
+FILES = ("tokens.bin", "offset.npy", "length.npy", "uncut.npy", "source.npy", "kept.npy", "pool.npy", "own.npy",
+         "text_key.npy")
 
 
 # --------------------------------------------------------------------------
@@ -158,6 +161,7 @@ class TokenStore:
     kept: np.ndarray            # [N] int64: the clean record of each training record
     pool: np.ndarray            # [P] int64: training record * 7 + field of each distinct instruction
     own: np.ndarray             # [N, 2] int32: the pool index of each training record's I+ and I-
+    text_key: np.ndarray        # [R, 7] uint64: a digest of each piece's whole ids (equal texts, equal keys)
     meta: dict                  # what was built (see `_meta`), JSON
     folder: str | None = None   # the cache folder it was read from (None: in memory)
 
@@ -311,6 +315,8 @@ def _encode_records(records: list[dict], rows: list[int], bad: list[BadRowError]
             "length": length[sel], "uncut": uncut[sel],
             "token_digest": np.frombuffer(b"".join(_digest(b"".join(piece_digests[7 * r:7 * r + 7])) for r in sel),
                                           np.uint8).reshape(-1, 16),
+            "text_key": np.frombuffer(b"".join(d[:8] for r in sel for d in piece_digests[7 * r:7 * r + 7]),
+                                      np.uint64).reshape(-1, 7),
             "text_digest": np.frombuffer(b"".join(_digest(json.dumps(records[r], sort_keys=True, ensure_ascii=False)
                                                           .encode()) for r in sel), np.uint8).reshape(-1, 16),
             "instruction_digest": np.frombuffer(b"".join(_digest(records[r][name].encode()) for r in sel
@@ -409,7 +415,7 @@ def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progres
     splits = [s for s, _, _ in job.sources]
     first_row = np.cumsum([0] + [len(ds) for _, ds, _ in job.sources])
     parts: dict[str, list] = {k: [] for k in ("rows", "length", "uncut", "token_digest", "text_digest",
-                                              "instruction_digest")}
+                                              "instruction_digest", "text_key")}
     bad_by_split: dict[int, list[BadRowError]] = {}
     mismatch, example, written, done = 0, None, 0, 0
     t0 = time.perf_counter()
@@ -436,7 +442,7 @@ def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progres
     bar.close()
     arrays = {k: np.concatenate(v) if v else np.zeros((0, *shape), dtype) for (k, v), (shape, dtype) in
               zip(parts.items(), [((), np.int64), ((7,), np.int32), ((7,), np.int32), ((16,), np.uint8),
-                                  ((16,), np.uint8), ((2, 16), np.uint8)])}
+                                  ((16,), np.uint8), ((2, 16), np.uint8), ((7,), np.uint64)])}
     warnings = []
     for split_index, bad in sorted(bad_by_split.items()):
         bad.sort(key=lambda e: e.row)
@@ -447,7 +453,7 @@ def encode_sources(job: Job, reading: Reading, workers: int, tokens_out, progres
     log.info("tokenized %d rows (%d records, %d skipped as bad) into %d ids in %.1f s (%.0f rows/s)", total,
              len(arrays["rows"]), total - len(arrays["rows"]), written, seconds, total / max(seconds, 1e-9))
     return {**arrays, "warnings": warnings, "mismatch": mismatch, "example": example, "seconds": seconds,
-            "workers": workers}
+            "workers": workers, "split_rows": [len(ds) for _, ds, _ in job.sources]}
 
 
 _last_line = [0.0]
@@ -551,6 +557,7 @@ def _meta(encoding: Encoding, reading: Reading, tok: Tokenizer, arrays: dict, fi
             "pad_id": tok.pad_id, "dtype": dtype, "tokens": tokens,
             "exact": exact, "mismatch": int(arrays["mismatch"]), "mismatch_example": arrays["example"],
             "records": int(len(finished["kept"])), "clean_records": int(len(arrays["rows"])),
+            "split_rows": arrays["split_rows"],
             "instructions": int(len(finished["pool"])), "fingerprint": finished["fingerprint"],
             "warnings": warnings, "seconds": round(arrays["seconds"], 1),
             "built": datetime.datetime.now().isoformat(timespec="seconds"), "host": socket.gethostname()}
@@ -584,7 +591,8 @@ def build(job: Job, reading: Reading, key: dict, folder: str | None, workers: in
     store_arrays = {"offset": np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths)
                     else np.zeros(0, np.int64),
                     "length": arrays["length"], "uncut": arrays["uncut"], "source": arrays["rows"],
-                    "kept": finished["kept"], "pool": finished["pool"], "own": finished["own"]}
+                    "kept": finished["kept"], "pool": finished["pool"], "own": finished["own"],
+                    "text_key": arrays["text_key"]}
     meta = _meta(job.encoding, reading, tok, arrays, finished, arrays["warnings"] + dup_warnings, key, dtype,
                  int(lengths.sum()))
     if folder is None:
@@ -803,7 +811,7 @@ def check(folder: str) -> Checked:
             return Checked(f"tokens.bin has {size} bytes, meta.json says {want}")
         lengths = {"offset": meta["clean_records"], "length": meta["clean_records"], "uncut": meta["clean_records"],
                    "source": meta["clean_records"], "kept": meta["records"], "pool": meta["instructions"],
-                   "own": meta["records"]}
+                   "own": meta["records"], "text_key": meta["clean_records"]}
         for name, n in lengths.items():
             rows = np.load(os.path.join(folder, f"{name}.npy"), mmap_mode="r").shape[0]
             if rows != n:

@@ -57,8 +57,8 @@ class Evaluator:
         every = self.config.eval.every
         return bool(self.evaluated) and (done == steps or bool(every and done % every == 0))
 
-    def at_step(self, state, done: int, writer) -> dict:
-        """Score eval.sets and the canaries after step `done`: logged, written; the canary scores."""
+    def at_step(self, state, done: int, writer) -> tuple[dict, dict]:
+        """Score eval.sets and the canaries after step `done`: logged, written; (every score, the canaries')."""
         t0 = time.perf_counter()
         scores = self(state, self.evaluated)
         log.info("eval at step %d (%.1f s): %s", done, time.perf_counter() - t0, "  ".join(
@@ -66,7 +66,7 @@ class Evaluator:
         writer.write({"step": done, "eval": scores})
         canary = {c: scores[c] for c in self.canaries}
         check_canaries(self.watch, done, canary, writer)
-        return canary
+        return scores, canary
 
     # ---- before and after training: eval.json
 

@@ -46,6 +46,25 @@ def template_pairs(embed_query: EmbedFn, fmt: TextFormat) -> PairEmbedFn:
     return lambda ins, qs: embed_query([fmt.query(i, q) for i, q in zip(ins, qs)])
 
 
+def recording(embed_pairs: PairEmbedFn, embed_passage: EmbedFn, memo: dict) -> tuple[PairEmbedFn, EmbedFn]:
+    """The two encoders, each call's embeddings also kept in `memo` (keyed by its texts) for `cut_to`."""
+    def kept(fn, key, *texts):
+        out = fn(*texts)
+        memo[(key, *(tuple(t) for t in texts))] = np.asarray(out, np.float32)
+        return out
+    return (lambda ins, qs: kept(embed_pairs, "pairs", ins, qs)), (lambda texts: kept(embed_passage, "p", texts))
+
+
+def cut_to(dim: int, embed_pairs: PairEmbedFn, embed_passage: EmbedFn, memo: dict) -> tuple[PairEmbedFn, EmbedFn]:
+    """The two encoders with each embedding cut to its first `dim` coordinates and L2-normalized again (a
+    Matryoshka dimension, as training cuts it), read from `memo` (`recording`) where the texts were encoded."""
+    def cut(fn, key, *texts):
+        whole = memo.get((key, *(tuple(t) for t in texts)))
+        x = (np.asarray(fn(*texts), np.float32) if whole is None else whole)[:, :dim]
+        return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    return (lambda ins, qs: cut(embed_pairs, "pairs", ins, qs)), (lambda texts: cut(embed_passage, "p", texts))
+
+
 def rerank(split: FollowIRSplit, embed_pairs: PairEmbedFn, embed_passage: EmbedFn, fmt: TextFormat
            ) -> tuple[Run, Run]:
     """Each query's own candidate pool scored by cosine, under the original and the changed instruction."""

@@ -56,10 +56,16 @@ def iq_embeddings(head: dict, i_vec: jax.Array, q_hidden: jax.Array, q_mask: jax
     return iq / jnp.maximum(jnp.linalg.norm(iq, axis=-1, keepdims=True), 1e-12)
 
 
-def pair_cosines(head: dict, i_vec: jax.Array, q_hidden: jax.Array, q_mask: jax.Array, p: jax.Array) -> jax.Array:
-    """cos(iq(j -> k), p_k) for every row k (query and passage) and instruction j: [R_k, R_j]."""
+def pair_cosines(head: dict, i_vec: jax.Array, q_hidden: jax.Array, q_mask: jax.Array, p: jax.Array,
+                 dim: int | None = None) -> jax.Array:
+    """cos(iq(j -> k), p_k) for every row k (query and passage) and instruction j: [R_k, R_j].
+
+    `dim`: of the first `dim` coordinates of both embeddings (Matryoshka), None for the whole."""
     weights = _attention(head, i_vec, q_hidden, q_mask, "all")        # [R_j, R_k, L]
     values = jnp.einsum("kld,de->kle", q_hidden, head["w_q2"])        # [R_k, L, d]
+    if dim is not None and dim < values.shape[-1]:
+        values, p = values[..., :dim], p[..., :dim]
+        p = p / jnp.maximum(jnp.linalg.norm(p, axis=-1, keepdims=True), 1e-12)
     vp = jnp.einsum("kld,kd->kl", values, p)                          # [R_k, L]
     gram = jnp.einsum("kld,kmd->klm", values, values)                 # [R_k, L, L]
     dot = jnp.einsum("jkl,kl->jk", weights, vp)

@@ -46,6 +46,7 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:400]}"
 
 
+BEST_KEY = "best"       # the data position's record of checkpoint.keep_best: {"metric", "step", "value"}
 COMMIT_FILE = "commit_success.txt"   # on gs://, Orbax marks a finished step with this file instead of a rename
 
 
@@ -105,18 +106,36 @@ def state_bytes(abstract_state) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state))
 
 
+class _NewestAndKept:
+    """Orbax's rotation (a `PreservationPolicy`): the newest `n` checkpoints, and the steps in `kept` whatever
+    their age."""
+
+    def __init__(self, n: int):
+        self.newest = ocp.checkpoint_managers.LatestN(n=n)
+        self.kept: set[int] = set()
+
+    def should_preserve(self, checkpoints, *, context):
+        newest = self.newest.should_preserve(checkpoints, context=context)
+        return [keep or info.step in self.kept for keep, info in zip(newest, checkpoints)]
+
+
 class Checkpoints:
     def __init__(self, workdir: str, max_to_keep: int = 3, async_save: bool = True):
         self.directory = storage.join(storage.absolute(workdir), "checkpoints")
+        self._policy = _NewestAndKept(max_to_keep)
         self._closed = False
         self.pending: int | None = None      # the latest step whose save was started
         self._unreported: tuple[int, float, float] | None = None   # (step, start, seconds save() blocked)
         self.async_save = async_save
         self.manager = ocp.CheckpointManager(
             self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+            options=ocp.CheckpointManagerOptions(preservation_policy=self._policy, create=True,
                                                  enable_async_checkpointing=async_save),
         )
+
+    def keep(self, step: int | None) -> None:
+        """Keep `step` through rotation (checkpoint.keep_best), instead of the step kept before."""
+        self._policy.kept = set() if step is None else {step}
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())

@@ -95,9 +95,37 @@ def _base_model(config, workdir: str, base: str | None):
                                         f"{config.model.checkpoint}) cannot be used: {e}") from None
 
 
-def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = False,
+BEST = "best"          # the step a run's checkpoint.keep_best kept
+
+
+def parse_step(text: str | None) -> int | str | None:
+    """A --step flag: a step number, BEST, or None (the latest); UserError (one line, exit 2) otherwise."""
+    if text is None or text == BEST:
+        return text
+    if not text.strip().isdigit():
+        raise UserError(f"--step={text}: expected a step number or {BEST}")
+    return int(text)
+
+
+def best_step(workdir: str, steps: list[int]) -> int:
+    """The step checkpoint.keep_best kept, as the run's latest checkpoint records it (`checkpoint.BEST_KEY`)."""
+    ckpts = checkpoint.Checkpoints(workdir, max_to_keep=len(steps) + 1)
+    try:
+        record = ckpts.saved_data_position(steps[-1]).get(checkpoint.BEST_KEY) or {}
+    finally:
+        ckpts.close()
+    if record.get("step") is None:
+        raise FileNotFoundError(f"{workdir} kept no best checkpoint (train with config.checkpoint.keep_best="
+                                f"<eval set>/<metric>); saved steps: {steps}")
+    if record["step"] not in steps:
+        raise FileNotFoundError(f"{workdir}: its best checkpoint by {record['metric']} (step {record['step']}) is "
+                                f"gone; saved steps: {steps}")
+    return int(record["step"])
+
+
+def load_run(workdir: str, step: int | str | None = None, mesh=None, on_host: bool = False,
              dtype: str | None = None, base: str | None = None) -> RunModel:
-    """The run's model at `step` (default: the latest), restoring only the parameters.
+    """The run's model at `step` (default: the latest; BEST: checkpoint.keep_best's), restoring only the parameters.
 
     Shapes come from the model's abstract init (only the base folder's config.json is read, never its
     weights); the optimizer moments are not read. The parameters land on `mesh` (default: all devices on
@@ -112,7 +140,7 @@ def load_run(workdir: str, step: int | None = None, mesh=None, on_host: bool = F
     steps = saved_steps(workdir)
     if not steps:
         raise NotARunDirectory(f"{workdir} is not an infjax run directory: no checkpoints/<step> inside")
-    step = steps[-1] if step is None else step
+    step = steps[-1] if step is None else best_step(workdir, steps) if step == BEST else step
     if step not in steps:
         raise FileNotFoundError(f"{workdir} has no checkpoint for step {step}; saved steps: {steps}")
     ckpts = checkpoint.Checkpoints(workdir, max_to_keep=len(steps) + 1)

@@ -16,6 +16,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 from tqdm.auto import tqdm
 
 from infjax.data.batches import real_tokens
@@ -88,6 +89,8 @@ class Tally:
         self.grown: set[str] = set()
         self.rows = self.tokens = self.skipped_logged = 0
         self.since, self.waited = time.perf_counter(), 0.0
+        self.source: str | None = None                       # a one-source mixture: the last step's source
+        self.source_losses: dict[str, list[float]] = {}      # ... and each source's logged losses
 
     def add(self, info: dict, host_batch: dict) -> None:
         """One step's batch: its texts and cut texts (`info` of the step stream), rows and real tokens."""
@@ -100,6 +103,7 @@ class Tally:
             self.grown.add(info["grown"])
         self.tokens += real_tokens(host_batch)    # this process's rows, counted on the host: no device sync
         self.rows += self.build.global_rows
+        self.source = info.get("source")
 
     def step_line(self, done: int, steps: int, metrics: dict, skipped, waited: float) -> dict:
         """Log the line of step `done` and return its metrics.jsonl record (host floats, with the rates).
@@ -114,8 +118,13 @@ class Tally:
         metrics["real_tokens_per_s"] = distributed.sum_over_processes(self.tokens) / (now - self.since)
         metrics["data_wait_share"] = (waited - self.waited) / (now - self.since)
         self.since, self.rows, self.tokens, self.waited = now, 0, 0, waited
-        log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.1f examples/s  %.0f real tokens/s  "
-                 "data wait %.0f%%", done, steps, metrics["loss"], metrics["learning_rate"],
+        source = ""
+        if self.source is not None:             # the logged loss is the last step's, of this source
+            metrics["source"] = self.source
+            self.source_losses.setdefault(self.source, []).append(metrics["loss"])
+            source = f" ({self.source})"
+        log.info("step %d/%d  loss %.4f%s  lr %.2e  grad_norm %.3f  %.1f examples/s  %.0f real tokens/s  "
+                 "data wait %.0f%%", done, steps, metrics["loss"], source, metrics["learning_rate"],
                  metrics["grad_norm"], metrics["examples_per_s"], metrics["real_tokens_per_s"],
                  100 * metrics["data_wait_share"])
         if metrics["skipped_steps"] > self.skipped_logged:
@@ -133,6 +142,10 @@ class Tally:
                          f"{self.build.max_len(side)} tokens)" for side in sorted(self.cut))
         log.info("data: steps %d-%d waited %.1f s for their batches in all%s", start + 1, start + built,
                  waited, f"; {whose} cut at their max length: {cuts}" if cuts else "")
+        summary = getattr(self.build.step_texts.plan, "summary", None)
+        if summary is not None:                 # a mixture: what each source got, against its weight
+            means = "; ".join(f"{s} {np.mean(v):.4f} over {len(v)}" for s, v in sorted(self.source_losses.items()))
+            log.info("%s%s", summary(start, start + built), f"; mean logged loss per source: {means}" if means else "")
 
 
 CUT_SIDES = {"q": ("queries", "query"), "i": ("instructions", "query"), "qo": ("queries", "query"),

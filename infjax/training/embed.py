@@ -95,26 +95,33 @@ def _query_mask(batch: dict) -> jax.Array:
     return (jnp.arange(length) <= (last - first)[:, :, None]).astype(jnp.int32).reshape(-1, length)
 
 
-def assemble(params: dict, outputs: dict, batch: dict, need_instruction_negatives: bool = True) -> dict:
+def assemble(params: dict, outputs: dict, batch: dict, objective: losses.Objective) -> dict:
     """The loss's keyword arguments from the encoder outputs (and the interaction head's parameters)."""
     if "q_hidden" in outputs:
         head = params["interaction"]
         i_vec, q_hidden = outputs["i_vec"], outputs["q_hidden"]
         q_mask = _query_mask(batch)
         out = {"p": outputs["p"], "iq": interaction.iq_embeddings(head, i_vec, q_hidden, q_mask)}
-        if need_instruction_negatives:
-            out["i_cos"] = interaction.pair_cosines(head, i_vec, q_hidden, q_mask, outputs["p"])
+        if objective.needs_instruction_negatives:
+            cosines = lambda dim: interaction.pair_cosines(head, i_vec, q_hidden, q_mask,  # noqa: E731
+                                                           outputs["p"], dim)
+            out["i_cos"] = jnp.stack([cosines(d) for d in objective.dims]) if objective.dims else cosines(None)
             out["i_valid"] = batch["i_group"][None, :] != batch["i_group"][:, None]
-        return out
-    out = {"p": outputs["p"], "iq": outputs["iq"]}
-    if "iq_neg" in outputs:
-        r = outputs["iq"].shape[0]
-        out["iq_neg"] = outputs["iq_neg"].reshape(r, outputs["iq_neg"].shape[0] // r, -1)
+    else:
+        out = {"p": outputs["p"], "iq": outputs["iq"]}
+        if "iq_neg" in outputs:
+            r = outputs["iq"].shape[0]
+            out["iq_neg"] = outputs["iq_neg"].reshape(r, outputs["iq_neg"].shape[0] // r, -1)
+    if objective.mask_duplicates and "p_text" in batch:
+        out["same"] = ((batch["p_text"][:, None] == batch["p_text"][None, :])
+                       | (batch["iq_text"][:, None] == batch["iq_text"][None, :]))
+        if "n_same" in batch and "iq_neg" in out:
+            out["n_same"] = batch["n_same"].astype(bool)
     return out
 
 
-def embed_batch(encoder: Encoder, params: dict, batch: dict, rng: jax.Array | None = None,
-                need_instruction_negatives: bool = True) -> dict[str, jax.Array]:
+def embed_batch(encoder: Encoder, params: dict, batch: dict, objective: losses.Objective,
+                rng: jax.Array | None = None) -> dict[str, jax.Array]:
     """The embeddings the loss needs, as keyword arguments of `losses.contrastive_loss`.
 
     Interaction I (concatenation): iq [R, d], p [R, d], and iq_neg [R, K, d] when
@@ -125,12 +132,11 @@ def embed_batch(encoder: Encoder, params: dict, batch: dict, rng: jax.Array | No
     keys = list(jax.random.split(rng, 3)) if rng is not None else [None] * 3
     outputs = {name: fn(params, ids, mask, keys[key]) for name, (fn, ids, mask, key)
                in encoder_calls(encoder, batch).items()}
-    return assemble(params, outputs, batch, need_instruction_negatives)
+    return assemble(params, outputs, batch, objective)
 
 
 def make_loss_fn(encoder: Encoder, objective: losses.Objective, dropout: bool = False):
     def loss_fn(params, batch, rng):
-        embeddings = embed_batch(encoder, params, batch, rng if dropout else None,
-                                 objective.needs_instruction_negatives)
+        embeddings = embed_batch(encoder, params, batch, objective, rng if dropout else None)
         return losses.contrastive_loss(objective, **embeddings)
     return loss_fn

@@ -101,7 +101,7 @@ def make_grad_fn(encoder: Encoder, objective: losses.Objective, chunk_size: int,
 
         # 2. The loss on the whole global batch; gradients w.r.t. the outputs (and the head).
         def loss_of_outputs(params, outputs):
-            embeddings = embed.assemble(params, outputs, batch, objective.needs_instruction_negatives)
+            embeddings = embed.assemble(params, outputs, batch, objective)
             return losses.contrastive_loss(objective, **embeddings)
 
         (loss, metrics), (grads, cotangents) = jax.value_and_grad(loss_of_outputs, argnums=(0, 1), has_aux=True)(

@@ -27,11 +27,21 @@ from infjax.training import remat_choice, step as step_lib
 log = logging.getLogger("infjax")
 
 
-def make_objective(config) -> losses.Objective:
-    """The paper's objective named by `config.objective` (or the reference code's reading of the name)."""
+def make_objective(config, width: int | None = None) -> losses.Objective:
+    """The paper's objective named by `config.objective` (or the reference code's reading of the name), with the
+    recipes the loss keys turn on: false negatives left out, Matryoshka dims (docs/method.md §6). `width`: the
+    model's embedding width, which no Matryoshka dim may exceed."""
     if config.loss.convention == "reference":
-        return losses.reference_objective(config.objective, config.loss.temperature)
-    return losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+        base = losses.reference_objective(config.objective, config.loss.temperature)
+    else:
+        base = losses.Objective.from_name(config.objective, config.loss.temperature, config.loss.positive_once)
+    dims, weights = losses.matryoshka(config.loss.matryoshka_dims, config.loss.matryoshka_weights)
+    if dims and width is not None and dims[0] > width:
+        raise ConfigError(f"config.loss.matryoshka_dims={config.loss.matryoshka_dims!r}: {dims[0]} is wider than "
+                          f"the model's embeddings ({width}); give dims of at most {width}")
+    margin = config.loss.false_negative_margin
+    return dataclasses.replace(base, mask_duplicates=config.loss.mask_duplicates,
+                               margin=None if margin is None else float(margin), dims=dims, dim_weights=weights)
 
 
 def make_batch_setup(config, data: TrainingData, encoder: Encoder, model_path: str,

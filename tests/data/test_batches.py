@@ -168,5 +168,46 @@ def test_real_tokens_of_a_batch_padded_or_packed(packing):
     want = sum(len(ids) for side, t in texts.items() for ids in tokenizer.tokens(t, build.max_len(side)))
     batch = build(3)
     padded = sum(v.size for k, v in batch.items() if k.endswith("_mask")) if not packing else \
-        sum(v["mask"].size for v in batch.values())
+        sum(v["mask"].size for v in batch.values() if isinstance(v, dict))
     assert batches.real_tokens(batch) == want < padded
+
+
+def test_text_keys_are_equal_exactly_where_the_texts_are_and_every_process_numbers_alike():
+    """loss.mask_duplicates' inputs: rows with the same passage, or the same instruction and query, share a key
+    over the global batch; a drawn instruction that reads as the row's own (the same token ids, another
+    spelling) is flagged. Checked against the records' texts, for every step, on 1 and 3 processes."""
+    records, _ = synthetic.make_synthetic(0, 24, 2)
+    for r in (1, 7, 13):                         # passages shared across records
+        records[r]["document_positive"] = records[0]["document_positive"]
+    records[5]["hard_negative_document_1"] = records[2]["document_positive"]
+    records[9]["query_positive"] = records[4]["query_positive"]                  # (I+, Q+) of record 4 again
+    records[9]["instruction_positive"] = records[4]["instruction_positive"]
+    records[11]["instruction_negative"] = records[3]["instruction_positive"].upper()    # uncased: the same ids
+    store = _store(records, 48, 48)
+    plan = batches.BatchPlan(len(store), 8, seed=0)
+    sampler = batches.InstructionNegativeSampler(len(store.pool), 3, seed=0)
+    same = lambda t: " ".join(t.lower().split())    # noqa: E731 - what the uncased tokenizer reads
+    seen = {"p": 0, "iq": 0, "n": 0}
+    for step in range(plan.steps_per_epoch * 3):
+        def keys(pid, count):
+            return batches.StepTexts(store, plan, 48, 48, sampler=sampler, process_index=pid, process_count=count,
+                                     texts=_texts(records), text_keys=True).text_keys_of(step)
+        whole = keys(0, 1)
+        for key in whole:
+            np.testing.assert_array_equal(whole[key], np.concatenate([keys(i, 3)[key] for i in range(3)]))
+        rows = batches.StepTexts(store, plan, 48, 48, texts=_texts(records)).rows(step)
+        p = [same(r[2]) for r in rows]
+        iq = [(same(r[0]), same(r[1])) for r in rows]
+        for a in range(len(rows)):
+            for b in range(len(rows)):
+                assert (whole["p_text"][a] == whole["p_text"][b]) == (p[a] == p[b])
+                assert (whole["iq_text"][a] == whole["iq_text"][b]) == (iq[a] == iq[b])
+        seen["p"] += len(rows) - len(set(p))
+        seen["iq"] += len(rows) - len(set(iq))
+        record, kind, own = batches.StepTexts(store, plan, 48, 48, sampler=sampler)._rows(step)
+        pool = [records[int(q) // 7][FIELDS[int(q) % 7]] for q in store.pool]
+        drawn = sampler.draw(step, own)
+        want = np.array([[same(pool[j]) == iq[r][0] for j in drawn[r]] for r in range(len(rows))])
+        np.testing.assert_array_equal(whole["n_same"].astype(bool), want)
+        seen["n"] += int(want.sum())
+    assert all(seen.values()), seen               # each kind of duplicate met at least once

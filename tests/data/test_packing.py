@@ -475,6 +475,7 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
         built = {}
         for step in range(config.train.steps):
             batch, info = one.assemble(step)
+            batch = {k: v for k, v in batch.items() if isinstance(v, dict)}     # the packed sides
             built[step] = batch
             texts, _ = step_texts.side_texts(step)
             needs = {}
@@ -501,6 +502,8 @@ def test_steps_beyond_the_measured_sample_are_fitted_as_built_and_processes_agre
         fresh = batches.BatchBuilder(step_texts, dataclasses.replace(build.packing, shapes=start))
         for step in reversed(range(config.train.steps)):        # any order, any builder: the same batches
             for side, packed in fresh(step).items():
+                if not isinstance(packed, dict):
+                    continue
                 for key in packing.KEYS:
                     np.testing.assert_array_equal(packed[key], built[step][side][key])
         if start is small:

@@ -110,10 +110,11 @@ def write_tiny_bert(folder: str, seed: int = 0) -> str:
 
 
 def write_run_dir(workdir, step: int = 2, interaction: str = "concat", shared_encoder: bool = True,
-                  noise: float = 0.02) -> str:
+                  noise: float = 0.02, overrides: dict | None = None) -> str:
     """An infjax run directory without training: the tiny BERT, its weights perturbed by `noise` (each tower
     differently when not `shared_encoder`), saved as checkpoint `step` of a run trained at 48 tokens whose
-    synthetic evaluation split is seed 7, 3 queries, pools of 8. Returns the folder."""
+    synthetic evaluation split is seed 7, 3 queries, pools of 8 (and any other config `overrides`). Returns the
+    folder."""
     import jax
 
     from infjax import config as config_lib
@@ -127,6 +128,7 @@ def write_run_dir(workdir, step: int = 2, interaction: str = "concat", shared_en
     c.model.shared_encoder = shared_encoder
     c.data.query_max_len = c.data.passage_max_len = 48
     c.data.synthetic.seed, c.data.synthetic.num_eval_queries, c.data.synthetic.pool_size = 7, 3, 8
+    c = config_lib.override(c, overrides or {})
     _, params, _ = load_encoder(c.model)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: x + noise * rng.standard_normal(x.shape).astype(x.dtype), params)

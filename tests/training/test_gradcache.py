@@ -36,8 +36,12 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     both gradient functions."""
     encoder, params, path = load_encoder(config.model)
     build = padded_builder(config, path, 48, 48)
-    objective = losses.Objective.from_name(config.objective)
-    batch = mesh_lib.global_batch(build(0), mesh)
+    objective = setup_lib.make_objective(config)
+    host = build(0)
+    if "p_text" in host:            # declare duplicates the data lacks: rows 1 and 4 repeat row 0's passage, row 7
+        host["p_text"][[1, 4]] = host["p_text"][0]    # row 6's query (what the mask reads, whatever the texts)
+        host["iq_text"][7] = host["iq_text"][6]
+    batch = mesh_lib.global_batch(host, mesh)
     cached_batch = batch
     if packed:
         shards = mesh_lib.batch_shards(mesh)
@@ -46,7 +50,7 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
         shapes = batches.measure_shapes(texts, range(1), shards, chunks=chunks,
                                         pack_lengths={"query": 96, "passage": 96})
         build = batches.BatchBuilder(texts, batches.Packing(shapes, shards, chunks))
-        cached_batch = mesh_lib.global_batch(build(0), mesh)
+        cached_batch = mesh_lib.global_batch({**build(0), **{k: host[k] for k in host if k.endswith("_text")}}, mesh)
     optimizer, _ = state_lib.make_optimizer(config.train, 10)
     state, shardings = state_lib.create_sharded_state(params, optimizer, 0, encoder.module, mesh)
     plain = jax.jit(step_lib.make_grad_fn(encoder, objective))
@@ -54,21 +58,27 @@ def _batch_and_fns(config, mesh, chunk_size, packed=False):
     return state, batch, cached_batch, plain, cached
 
 
-@pytest.mark.parametrize("objective, interaction, mesh_shape, packed, rank", [
-    pytest.param("multi_piiq", "concat", (8, 1), False, 0, marks=pytest.mark.slow),   # P, IQ and I sets;
+RECIPES = {"loss.false_negative_margin": -0.2, "loss.matryoshka_dims": "32,16,8",
+           "loss.matryoshka_weights": "1,0.5,0.25"}     # and loss.mask_duplicates, on by default
+
+
+@pytest.mark.parametrize("objective, interaction, mesh_shape, packed, rank, recipes", [
+    pytest.param("multi_piiq", "concat", (8, 1), False, 0, {}, marks=pytest.mark.slow),   # P, IQ and I sets;
     # instruction negatives iq_neg [R, K, d] (slow: the packed case below runs the same passes by default)
-    ("multi_piiq", "concat", (8, 1), True, 0),      # ... each chunk packed apart (rows of 96 tokens)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, marks=pytest.mark.slow),   # Interaction II:
+    ("multi_piiq", "concat", (8, 1), True, 0, {}),      # ... each chunk packed apart (rows of 96 tokens)
+    ("multi_piiq", "concat", (8, 1), True, 0, RECIPES),  # ... false negatives masked, Matryoshka dims
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, {}, marks=pytest.mark.slow),   # Interaction II:
     # i_vec, query token states, p; fsdp params (slow: in CI; its padded passes are the concat case's)
-    ("multi_piiq", "concat", (8, 1), True, 4),      # LoRA: gradients of the adapters only, the base frozen
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, marks=pytest.mark.slow),   # ... and the head
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, RECIPES, marks=pytest.mark.slow),   # ... recipes
+    ("multi_piiq", "concat", (8, 1), True, 4, {}),      # LoRA: gradients of the adapters only, the base frozen
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, {}, marks=pytest.mark.slow),   # ... and the head
 ])
-def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed, rank):
+def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed, rank, recipes):
     # Packed: 48 rows in chunks of 16, so each of the 8 batch shards packs 2 texts per chunk (2 x 2 for
     # the instruction negatives) and rows hold several texts.
     config = small_config(objective, **{"model.interaction": interaction, "mesh.data": mesh_shape[0],
                                         "mesh.fsdp": mesh_shape[1], "train.batch_size": 16 if packed else 8,
-                                        "model.lora.rank": rank})
+                                        "model.lora.rank": rank, **recipes})
     mesh = mesh_lib.make_mesh(config.mesh)
     state, batch, cached_batch, plain, cached = _batch_and_fns(config, mesh, 16 if packed else 8, packed)
     params = state.params
@@ -95,6 +105,9 @@ def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape,
     assert jax.tree.structure(grads_a) == jax.tree.structure(grads_b)
     for k in metrics_a:
         np.testing.assert_allclose(np.asarray(metrics_b[k]), np.asarray(metrics_a[k]), rtol=1e-5, atol=1e-6)
+    assert float(metrics_a["masked_duplicates"]) == 2 * (3 + 1)    # pairs (0,1) (0,4) (1,4) and (6,7), both ways
+    if recipes:
+        assert float(metrics_a["masked_margin"]) > 0 and {"dim32/loss", "dim16/loss", "dim8/loss"} <= set(metrics_a)
 
 
 def test_chunk_size_is_validated_with_the_key():

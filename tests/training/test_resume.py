@@ -148,8 +148,8 @@ def test_a_checkpoint_without_what_the_trainer_records_is_refused_naming_what_it
     try:
         if lacks is None:
             with caplog.at_level(logging.INFO, logger="infjax.train"):
-                start, restored = train.restore_or_start(config, ckpts, state.replace(step=jnp.int32(0)), current,
-                                                         fingerprint)
+                start, restored, _ = train.restore_or_start(config, ckpts, state.replace(step=jnp.int32(0)),
+                                                            current, fingerprint)
             assert start == 4 and int(restored.step) == 4 and "resumed from step 4" in caplog.text
             return
         what = " and ".join(LACKS[k] for k in ("tokenizer", "data_fingerprint", "schedule_steps")
