@@ -246,6 +246,8 @@ def _defaults(objective: str, arg: str | None = None) -> ml_collections.ConfigDi
     c.eval.sets = ""                   # comma-separated datasets to evaluate during training, as for
                                        # infjax.evaluate --dataset (e.g. "beir:/data/scifact,synthetic")
     c.eval.every = 0                   # steps between evaluations of eval.sets (0 = only at the end)
+    c.eval.dims = ""                   # e.g. "128,64": eval.sets' and the canaries' metrics also for embeddings
+                                       # cut to these Matryoshka dims ("p_mrr@64"; keep_best may name them)
     c.eval.canary = "lee,docstrings"   # general-retrieval canaries (comma-separated specs, "" = none): evaluated
                                        # before training, with eval.sets, and after; in eval.json and printed
     c.eval.canary_margin = 0.01        # warn when a canary's main metric falls by more than this since before
@@ -539,6 +541,8 @@ def _validate_training(c) -> None:
             except DataError as e:
                 raise ConfigError(f"config.eval.{key}={c.eval[key]!r}: {e}") from None
     _check(c.eval.canary_margin >= 0, "eval.canary_margin", c.eval.canary_margin, "must be >= 0")
+    _check(all(d.strip().isdigit() and int(d) > 0 for d in c.eval.dims.split(",") if d.strip()), "eval.dims",
+           c.eval.dims, "must be positive whole numbers, comma-separated (e.g. 128,64)")
     _validate_keep_best(c)
     _check(c.eval.batch_size >= 1, "eval.batch_size", c.eval.batch_size, "must be >= 1")
     _check(c.train.chunk_size >= 0, "train.chunk_size", c.train.chunk_size, "must be >= 0 (0 = off)")

@@ -17,6 +17,7 @@ values: `config.data`, `config.train` (batch_size, seed, steps, epochs, chunk_si
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -63,11 +64,32 @@ class TrainingData:
         return self.store.fingerprint
 
 
+_SYNTHETIC_STORES: collections.OrderedDict = collections.OrderedDict()   # the last few, by what makes them
+
+
+def synthetic_store(s, model_path: str, encoding: token_store.Encoding, reading: token_store.Reading,
+                    padding_side: str) -> tuple[list[dict], token_store.TokenStore]:
+    """The synthetic corpus of `s` (config.data.synthetic) and its store, made once per process for each
+    (corpus, tokenizer pipeline, encoding, reading): a second run, benchmark or evaluation in the process reads
+    the same records and ids without tokenizing them again."""
+    key = (s.seed, s.num_train, s.num_eval_queries, s.pool_size, Tokenizer(model_path, padding_side).identity(),
+           encoding, reading, padding_side)
+    if key not in _SYNTHETIC_STORES:
+        records = synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
+        _SYNTHETIC_STORES[key] = (records, token_store.in_memory(records, model_path, encoding, reading,
+                                                                 padding_side))
+        while len(_SYNTHETIC_STORES) > 4:
+            _SYNTHETIC_STORES.popitem(last=False)
+    _SYNTHETIC_STORES.move_to_end(key)
+    return _SYNTHETIC_STORES[key]
+
+
 def open_training_data(config, model_path: str, padding_side: str = "right", records: list[dict] | None = None,
                        workers: int | None = None) -> TrainingData:
     """The training data of `config.data` as a token store: read from the token cache, or tokenized now (once).
 
-    `records` (in memory: the synthetic corpus, benchmarks, tests) are tokenized in memory, not cached. The
+    `records` (in memory: benchmarks, tests) are tokenized in memory, not cached; the synthetic corpus is made and
+    tokenized once per process (`synthetic_store`). The
     store's warnings (bad rows skipped, duplicates) are logged on every run, from the cache too. `workers`:
     the tokenizing processes (default data.tokenize_workers).
     """
@@ -76,9 +98,9 @@ def open_training_data(config, model_path: str, padding_side: str = "right", rec
                                     config.model.interaction)
     reading = token_store.Reading(data.on_bad_row, data.get("dedupe", True))
     if records is None and data.source == "synthetic":
-        s = data.synthetic
-        records = synthetic.make_synthetic(s.seed, s.num_train, s.num_eval_queries, s.pool_size)[0]
-    if records is not None:
+        records, store = synthetic_store(data.synthetic, model_path, encoding, reading, padding_side)
+        splits = inf_ir.InMemorySplit(records)
+    elif records is not None:
         splits = inf_ir.InMemorySplit(records)
         store = token_store.in_memory(records, model_path, encoding, reading, padding_side)
     else:

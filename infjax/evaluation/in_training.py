@@ -12,7 +12,7 @@ import logging
 import time
 
 from infjax.evaluation.canary import CanaryWatch, describe_drop
-from infjax.evaluation.tasks import evaluate_specs, template_pairs
+from infjax.evaluation.tasks import cut_to, evaluate_specs, recording, template_pairs
 from infjax.inference.embedders import CrossAttentionQueryEmbedder, TextEmbedder
 from infjax.models.encoder import passage_params, query_params
 
@@ -34,6 +34,7 @@ class Evaluator:
         self.evaluated = list(dict.fromkeys([*specs, *canaries]))      # in the loop
         self.watch = CanaryWatch(config.eval.canary_margin)
         self.synthetic_defaults = config.data.synthetic.to_dict()
+        self.dims = [int(d) for d in config.eval.get("dims", "").split(",") if d.strip()]   # metric@d per cut
         self.embedder = TextEmbedder(encoder, mesh, setup.tokenizer, config.eval.batch_size)
         self.pair_embedder = (CrossAttentionQueryEmbedder(encoder, mesh, setup.tokenizer, setup.fmt,
                                                           config.eval.batch_size)
@@ -47,8 +48,19 @@ class Evaluator:
             pairs = lambda i, q: self.pair_embedder(params, i, q, qlen)   # noqa: E731
         else:
             pairs = template_pairs(lambda t: self.embedder(qp, t, qlen), self.fmt)
-        return evaluate_specs(specs, pairs, lambda t: self.embedder(pp, t, plen), self.fmt,
-                              synthetic_defaults=self.synthetic_defaults, mesh=self.mesh)
+        passages = lambda t: self.embedder(pp, t, plen)    # noqa: E731
+        if not self.dims:
+            return evaluate_specs(specs, pairs, passages, self.fmt, synthetic_defaults=self.synthetic_defaults,
+                                  mesh=self.mesh)
+        memo: dict = {}                 # eval.dims: each metric also at each cut, from the same encoder calls
+        scores = evaluate_specs(specs, *recording(pairs, passages, memo), self.fmt,
+                                synthetic_defaults=self.synthetic_defaults, mesh=self.mesh)
+        for d in self.dims:
+            cut = evaluate_specs(specs, *cut_to(d, pairs, passages, memo), self.fmt,
+                                 synthetic_defaults=self.synthetic_defaults, mesh=self.mesh)
+            for spec, metrics in cut.items():
+                scores[spec].update({f"{k}@{d}": v for k, v in metrics.items()})
+        return scores
 
     # ---- in the loop
 
