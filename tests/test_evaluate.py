@@ -624,5 +624,24 @@ def test_dims_report_every_metric_for_each_cut_and_the_whole_width_is_the_whole_
     assert meta["dims"]["8"] != meta["dims"]["32"]
     printed = capsys.readouterr().out
     assert "cut to 8 dims: " in printed and "p_mrr" in printed
+    # The in-training evaluation (eval.dims) of the same parameters: the same figures at each cut.
+    from types import SimpleNamespace
+
+    from infjax import config as config_lib
+    from infjax.data import pipeline
+    from infjax.data.tokenize import Tokenizer
+    from infjax.evaluation.in_training import Evaluator
+    from infjax.runtime import mesh as mesh_lib
+    from infjax.runtime.restore import load_run
+
+    loaded = load_run(run)
+    config = config_lib.override(loaded.config, {"eval.dims": "32,8"})
+    setup = SimpleNamespace(fmt=pipeline.text_format(config.data),
+                            tokenizer=Tokenizer(loaded.base_path, loaded.encoder.padding_side))
+    evaluator = Evaluator(config, loaded.encoder, setup, mesh_lib.default_mesh(), ["synthetic"], [])
+    scores = evaluator(SimpleNamespace(model_params=loaded.params), ["synthetic"])["synthetic"]
+    for d in ("32", "8"):
+        for k in ("p_mrr", "ndcg@5"):
+            assert scores[f"{k}@{d}"] == pytest.approx(meta["dims"][d][k], abs=1e-6), (k, d)
     assert evaluate.main(["--model", run, "--dataset", "synthetic", "--dims", "8,x"]) == 2
     assert "--dims=8,x: expected positive whole numbers" in capsys.readouterr().err

@@ -41,10 +41,9 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def shared_run(tmp_path_factory):
-    workdir = str(tmp_path_factory.mktemp("run_shared"))
-    train.run(small_config(), workdir)
-    return workdir
+def shared_run(four_step_run):
+    """The session's small run (tests/conftest.py), read only here: the tiny BERT trained 4 steps at 48 tokens."""
+    return four_step_run[0]
 
 
 @pytest.fixture(scope="module")

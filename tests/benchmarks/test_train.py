@@ -37,6 +37,7 @@ def test_bench_train_vs_torch_feeds_both_loops_the_same_tokens():
     assert re.search(r"ratio infjax / pytorch: [\d.]+x", out), out[-3000:]
 
 
+@pytest.mark.slow      # two compiled steps for a benchmark's table; what LoRA trains is test_lora_train's (default)
 def test_bench_state_memory_counts_only_the_adapters_as_trainable():
     """`bench train --lora_table`'s figures, on the tiny BERT: LoRA's trainable count is r * (in + out) per adapted
     Linear layer (an independent count from the checkpoint's shapes), AdamW holds two float32 moments of those

@@ -32,8 +32,9 @@ def scripted(monkeypatch):
 
 
 def _config(steps, **extra):
+    """The tiny BERT's run on one device (which step is kept does not depend on the mesh: half the compile)."""
     return tiny_config(**{"train.steps": steps, "eval.every": 2, "checkpoint.every": 4, "checkpoint.max_to_keep": 1,
-                          "checkpoint.keep_best": "synthetic/p_mrr", "log_every": 2, **extra})
+                          "checkpoint.keep_best": "synthetic/p_mrr", "log_every": 2, "mesh.data": 1, **extra})
 
 
 def test_an_early_best_is_kept_through_rotation_and_a_resume_and_is_what_step_best_exports(scripted, tmp_path,

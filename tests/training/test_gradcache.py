@@ -65,11 +65,11 @@ RECIPES = {"loss.false_negative_margin": -0.2, "loss.matryoshka_dims": "32,16,8"
 @pytest.mark.parametrize("objective, interaction, mesh_shape, packed, rank, recipes", [
     pytest.param("multi_piiq", "concat", (8, 1), False, 0, {}, marks=pytest.mark.slow),   # P, IQ and I sets;
     # instruction negatives iq_neg [R, K, d] (slow: the packed case below runs the same passes by default)
-    ("multi_piiq", "concat", (8, 1), True, 0, {}),      # ... each chunk packed apart (rows of 96 tokens)
-    ("multi_piiq", "concat", (8, 1), True, 0, RECIPES),  # ... false negatives masked, Matryoshka dims
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, {}, marks=pytest.mark.slow),   # Interaction II:
-    # i_vec, query token states, p; fsdp params (slow: in CI; its padded passes are the concat case's)
-    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, RECIPES, marks=pytest.mark.slow),   # ... recipes
+    ("multi_piiq", "concat", (8, 1), True, 0, RECIPES),  # ... each chunk packed apart (rows of 96 tokens), with
+    # the recipes (docs/recipes.md: the duplicates declared below masked, the margin, three Matryoshka dims)
+    pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, RECIPES, marks=pytest.mark.slow),   # Interaction
+    # II: i_vec, query token states, p; fsdp params; the recipes (slow: in CI; its padded passes are the concat
+    # case's)
     ("multi_piiq", "concat", (8, 1), True, 4, {}),      # LoRA: gradients of the adapters only, the base frozen
     pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, {}, marks=pytest.mark.slow),   # ... and the head
 ])
