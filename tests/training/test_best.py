@@ -37,6 +37,7 @@ def _config(steps, **extra):
                           "checkpoint.keep_best": "synthetic/p_mrr", "log_every": 2, "mesh.data": 1, **extra})
 
 
+@pytest.mark.slow      # two training runs and an export (~19 s); the rules below run by default
 def test_an_early_best_is_kept_through_rotation_and_a_resume_and_is_what_step_best_exports(scripted, tmp_path,
                                                                                             caplog):
     workdir = str(tmp_path / "run")

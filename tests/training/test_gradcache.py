@@ -70,7 +70,8 @@ RECIPES = {"loss.false_negative_margin": -0.2, "loss.matryoshka_dims": "32,16,8"
     pytest.param("uni_piiq", "cross_attention", (2, 4), True, 0, RECIPES, marks=pytest.mark.slow),   # Interaction
     # II: i_vec, query token states, p; fsdp params; the recipes (slow: in CI; its padded passes are the concat
     # case's)
-    ("multi_piiq", "concat", (8, 1), True, 4, {}),      # LoRA: gradients of the adapters only, the base frozen
+    pytest.param("multi_piiq", "concat", (8, 1), True, 4, {}, marks=pytest.mark.slow),   # LoRA: gradients of the
+    # adapters only, the base frozen (slow: what LoRA trains is test_lora_train's, by default)
     pytest.param("uni_piiq", "cross_attention", (2, 4), True, 4, {}, marks=pytest.mark.slow),   # ... and the head
 ])
 def test_gradcache_equals_the_plain_gradient(objective, interaction, mesh_shape, packed, rank, recipes):
