@@ -214,10 +214,7 @@ class StepTexts:
 
     def groups(self, own: np.ndarray) -> np.ndarray:
         """Interaction II: each row's instruction as a group id, numbered by first occurrence in the batch."""
-        _, first, inverse = np.unique(own, return_index=True, return_inverse=True)
-        rank = np.empty(len(first), np.int32)
-        rank[np.argsort(first, kind="stable")] = np.arange(len(first), dtype=np.int32)
-        return rank[np.asarray(inverse).reshape(-1)]
+        return _first_numbered(np.asarray(own)[:, None])
 
     def rows(self, step: int) -> list[tuple[str, str, str]]:
         """All (instruction, query, passage) rows of the global batch as text, record-major."""

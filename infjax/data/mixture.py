@@ -80,12 +80,9 @@ class MixturePlan:
                               f"from it alone (lower the batch size, or drop or merge the source)")
 
     @classmethod
-    def of_store(cls, source_rows: np.ndarray, split_rows: list[int], names: list[str], probabilities: np.ndarray,
-                 batch_size: int, seed: int, one_source: bool) -> "MixturePlan":
-        """The plan over a store's training records, whose source rows (`source_rows`, the splits one after
-        another, `split_rows` rows each) say which split each comes from."""
-        bounds = np.cumsum([0] + list(split_rows))
-        split = np.searchsorted(bounds, np.asarray(source_rows), side="right") - 1
+    def of_splits(cls, split: np.ndarray, names: list[str], probabilities: np.ndarray, batch_size: int, seed: int,
+                  one_source: bool) -> "MixturePlan":
+        """The plan over training records whose splits (indices into `names`) are `split`."""
         members = tuple(np.flatnonzero(split == s) for s in range(len(names)))
         return cls(tuple(names), members, np.asarray(probabilities, np.float64), batch_size, seed, one_source)
 

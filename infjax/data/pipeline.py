@@ -185,12 +185,12 @@ def make_plan(config, store: token_store.TokenStore) -> batches.BatchPlan | mixt
     names = [s.strip() for s in data.splits.split(",") if s.strip()]
     if not data.get("mixture", "").strip() and not data.get("mixture_alpha", 0):
         return batches.BatchPlan(len(store), train.batch_size, train.seed)
-    source_rows = np.asarray(store.source)[np.asarray(store.kept)]
-    bounds = np.cumsum([0] + list(store.meta["split_rows"]))
-    sizes = np.bincount(np.searchsorted(bounds, source_rows, side="right") - 1, minlength=len(names)).tolist()
-    probabilities = mixture.weights(names, sizes, data.mixture, data.mixture_alpha)
-    plan = mixture.MixturePlan.of_store(source_rows, store.meta["split_rows"], names, probabilities,
-                                        train.batch_size, train.seed, data.batch_from != "mixed")
+    bounds = np.cumsum([0] + list(store.meta["split_rows"]))      # source rows: the splits one after another
+    split = np.searchsorted(bounds, np.asarray(store.source)[np.asarray(store.kept)], side="right") - 1
+    probabilities = mixture.weights(names, np.bincount(split, minlength=len(names)).tolist(), data.mixture,
+                                    data.mixture_alpha)
+    plan = mixture.MixturePlan.of_splits(split, names, probabilities, train.batch_size, train.seed,
+                                         data.batch_from != "mixed")
     log.info("%s", plan.describe())
     return plan
 
